@@ -1,0 +1,181 @@
+"""The parallel degrees of a run, their validation, and the one named ``DeviceMesh``.
+
+Every technique takes its sub-mesh from here, so the ranks that form a tensor-parallel group
+are the same ranks whichever technique asks. Axis order, outermost first, is
+``pp, dp_replicate, dp_shard, tp``: tensor parallelism talks most and gets the innermost
+(fastest, e.g. NVLink-local) ranks, pipeline stages talk least and span the slowest links.
+Experts are drawn from the data-parallel ranks: the expert mesh splits the flattened ``dp``
+axis into ``edp`` (outer) and ``ep`` (inner).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from lightning_parallel.parallel.errors import config_error
+
+# Mesh axis names: the only place they are spelled.
+PP = "pp"
+DP_REPLICATE = "dp_replicate"
+DP_SHARD = "dp_shard"
+TP = "tp"
+DP = "dp"  # flattened dp_replicate x dp_shard: gradient reduction and the data sampler
+EDP = "edp"  # data-parallel ranks outside an expert group
+EP = "ep"
+MESH_AXES = (PP, DP_REPLICATE, DP_SHARD, TP)
+
+Degree = int | Literal["auto"]
+
+
+def check_degree(name: str, value: object) -> None:
+    """A degree is a positive int or the string "auto" (bool is not an int here)."""
+    if isinstance(value, str):
+        if value != "auto":
+            raise config_error(ValueError, name, value, 'a degree is a positive int or "auto"', f'use {name}="auto" or an int >= 1')
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise config_error(TypeError, name, value, 'a degree is a positive int or "auto"', f"pass an int such as {name}=2")
+    if value < 1:
+        raise config_error(ValueError, name, value, "a degree must be at least 1", f"use {name}=1 to disable this axis")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Resolved degrees; ``dp_replicate * dp_shard * tp * pp == world_size`` always holds."""
+
+    world_size: int
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    _mesh: DeviceMesh | None = field(default=None, repr=False, compare=False)
+
+    @classmethod
+    def resolve(
+        cls,
+        world_size: int,
+        *,
+        data_parallel_size: Degree = "auto",
+        tensor_parallel_size: Degree = 1,
+        pipeline_parallel_size: Degree = 1,
+        expert_parallel_size: Degree = 1,
+        data_parallel_replicate_size: Degree = "auto",
+        sharded: bool = False,
+        hybrid: bool = False,
+        num_nodes: int = 1,
+    ) -> ParallelDims:
+        """Turn user-facing degrees (ints or "auto") into concrete ones, or raise a clear error.
+
+        ``sharded`` puts the data-parallel ranks on the ``dp_shard`` axis (ZeRO-2/3); otherwise
+        they replicate (DDP, ZeRO-1). ``hybrid`` splits them into replicate x shard (HSDP), with
+        ``data_parallel_replicate_size="auto"`` meaning one replica per node.
+        """
+        for name, value in (
+            ("data_parallel_size", data_parallel_size),
+            ("tensor_parallel_size", tensor_parallel_size),
+            ("pipeline_parallel_size", pipeline_parallel_size),
+            ("expert_parallel_size", expert_parallel_size),
+            ("data_parallel_replicate_size", data_parallel_replicate_size),
+        ):
+            check_degree(name, value)
+        tp = 1 if tensor_parallel_size == "auto" else tensor_parallel_size
+        pp = 1 if pipeline_parallel_size == "auto" else pipeline_parallel_size
+        model_degrees = tp * pp
+        if data_parallel_size == "auto":
+            if world_size % model_degrees:
+                raise config_error(
+                    ValueError,
+                    "tensor_parallel_size * pipeline_parallel_size",
+                    f"{tp} * {pp} = {model_degrees}",
+                    f"the product must divide the world size {world_size}",
+                    "choose degrees whose product divides the number of processes (devices x num_nodes)",
+                )
+            dp = world_size // model_degrees
+        else:
+            dp = data_parallel_size
+            if dp * model_degrees != world_size:
+                raise config_error(
+                    ValueError,
+                    "data_parallel_size * tensor_parallel_size * pipeline_parallel_size",
+                    f"{dp} * {tp} * {pp} = {dp * model_degrees}",
+                    f"the product must equal the world size {world_size}",
+                    'set data_parallel_size="auto" to use the remaining processes, or change devices/num_nodes',
+                )
+        ep = 1 if expert_parallel_size == "auto" else expert_parallel_size
+        if dp % ep:
+            raise config_error(
+                ValueError,
+                "expert_parallel_size",
+                ep,
+                f"expert-parallel ranks are drawn from the data-parallel ranks, so it must divide data_parallel_size={dp}",
+                f"choose an expert_parallel_size among the divisors of {dp}",
+            )
+        dp_replicate, dp_shard = (1, dp) if sharded else (dp, 1)
+        if hybrid:
+            replicate = data_parallel_replicate_size
+            if replicate == "auto":
+                # One replica per node; on a single node, two replica groups when there are at
+                # least four data-parallel ranks, so HSDP differs from plain FSDP.
+                replicate = num_nodes if num_nodes > 1 else (2 if dp >= 4 and dp % 2 == 0 else 1)
+            if dp % replicate:
+                raise config_error(
+                    ValueError,
+                    "data_parallel_replicate_size",
+                    replicate,
+                    f"it must divide data_parallel_size={dp}",
+                    f"choose a divisor of {dp} (usually the number of nodes)",
+                )
+            dp_replicate, dp_shard = replicate, dp // replicate
+        return cls(world_size=world_size, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp, ep=ep)
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.pp, self.dp_replicate, self.dp_shard, self.tp)
+
+    def describe(self) -> str:
+        return " x ".join(f"{name}={size}" for name, size in zip(MESH_AXES, self.shape)) + f" (ep={self.ep})"
+
+    def build_mesh(self, device_type: str) -> DeviceMesh:
+        """Create the named mesh (a collective call: every rank must call it, in the same order).
+
+        Flattened and split axes (``dp``, ``edp``, ``ep``) are kept in a side table, since torch
+        deprecates slicing derived axes from the root mesh.
+        """
+        if self._mesh is not None:
+            return self._mesh
+        mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_AXES)
+        derived: dict[str, DeviceMesh] = {name: mesh[name] for name in MESH_AXES}
+        derived[DP] = mesh[(DP_REPLICATE, DP_SHARD)]._flatten(DP)
+        if self.ep > 1:
+            expert = derived[DP]._unflatten(0, (self.dp // self.ep, self.ep), (EDP, EP))
+            derived[EDP], derived[EP] = expert[EDP], expert[EP]
+        object.__setattr__(self, "_mesh", mesh)
+        object.__setattr__(self, "_axes", derived)
+        return mesh
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        if self._mesh is None:
+            raise RuntimeError("The device mesh is built in the strategy's setup_environment(); it is not available before.")
+        return self._mesh
+
+    def axis(self, name: str) -> DeviceMesh:
+        """The 1D mesh of one axis (``tp``, ``dp``, ``ep``, ...) that contains this rank."""
+        if self._mesh is None:
+            raise RuntimeError(f"Axis {name!r} is not available before the mesh is built.")
+        axes: dict[str, DeviceMesh] = getattr(self, "_axes")
+        if name not in axes:
+            raise KeyError(f"No mesh axis {name!r}; this run has {sorted(axes)}")
+        return axes[name]
+
+    def data_parallel_mesh(self) -> DeviceMesh:
+        """The 2D (dp_replicate, dp_shard) mesh that FSDP2 / HSDP shard over."""
+        return self.mesh[(DP_REPLICATE, DP_SHARD)]

@@ -1,7 +1,15 @@
 """lightning_parallel: Lightning strategies for data, ZeRO/FSDP2, tensor, pipeline, expert and 3D parallelism.
 
-Importing the package registers the strategy names (``dp``, ``zero1`` ... ``3d``) in
-Lightning's ``StrategyRegistry`` so that ``Trainer(strategy="zero3")`` works.
+Importing the package registers the strategy names (``dp``, ``zero1``, ``zero2``, ``zero3``,
+``fsdp2``, ``zero3_offload``, ``hsdp`` ...) in Lightning's ``StrategyRegistry`` so that
+``Trainer(strategy="zero3")`` works with an unchanged LightningModule.
 """
 
+from lightning_parallel.parallel.dims import ParallelDims
+from lightning_parallel.strategies import PRESETS, HybridParallelStrategy, register_strategies
+
 __version__ = "0.1.0"
+
+register_strategies()
+
+__all__ = ["PRESETS", "HybridParallelStrategy", "ParallelDims", "__version__", "register_strategies"]

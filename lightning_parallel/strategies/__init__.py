@@ -1,0 +1,6 @@
+"""Lightning side: the one mesh-driven strategy and its registered presets."""
+
+from lightning_parallel.strategies.hybrid import HybridParallelStrategy
+from lightning_parallel.strategies.registry import PRESETS, register_strategies
+
+__all__ = ["PRESETS", "HybridParallelStrategy", "register_strategies"]

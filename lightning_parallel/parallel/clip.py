@@ -1,0 +1,73 @@
+"""Gradient clipping by the global norm, whatever the layout of the gradients.
+
+``torch.nn.utils.clip_grad_norm_`` sees only what a rank holds. Under sharding each rank
+holds a piece of each gradient (DTensor ``Shard``) and under pipeline parallelism each rank
+holds whole gradients of some parameters only; clipping by the local norm then gives a
+different model on every layout (a known bug in several frameworks). Here every rank
+computes the same global norm: local squared sums are added over the mesh axes on which a
+gradient is sharded, then over ``extra_groups`` (e.g. the pipeline axis, where parameters are
+disjoint), and each gradient is scaled by the same factor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
+
+_Group = dist.ProcessGroup | None
+
+
+def _shard_groups(grad: DTensor) -> tuple[dist.ProcessGroup, ...]:
+    mesh = grad.device_mesh
+    return tuple(mesh.get_group(dim) for dim, placement in enumerate(grad.placements) if isinstance(placement, Shard))
+
+
+def total_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0, extra_groups: Iterable[_Group] = ()) -> torch.Tensor:
+    """The norm of all gradients of ``parameters`` taken as one vector across every rank."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    inf = norm_type == float("inf")
+    buckets: dict[tuple[dist.ProcessGroup, ...], torch.Tensor] = {}
+    device = grads[0].device if grads else torch.device("cpu")
+    for grad in grads:
+        groups: tuple[dist.ProcessGroup, ...] = ()
+        local = grad
+        if isinstance(grad, DTensor):
+            groups, local = _shard_groups(grad), grad.to_local()
+        local = local.detach().float()
+        value = local.abs().max() if inf else local.norm(norm_type) ** norm_type
+        if local.numel() == 0:
+            value = torch.zeros((), device=device)
+        acc = buckets.get(groups)
+        buckets[groups] = value if acc is None else (torch.maximum(acc, value) if inf else acc + value)
+    op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+    result = torch.zeros((), device=device)
+    for groups, value in buckets.items():
+        for group in groups:
+            dist.all_reduce(value, op=op, group=group)
+        result = torch.maximum(result, value) if inf else result + value
+    for group in extra_groups:
+        dist.all_reduce(result, op=op, group=group)
+    return result if inf else result ** (1.0 / norm_type)
+
+
+@torch.no_grad()
+def clip_grad_norm_(
+    parameters: Iterable[torch.Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    extra_groups: Iterable[_Group] = (),
+) -> torch.Tensor:
+    """Scale gradients in place so that their global norm is at most ``max_norm``; return the norm."""
+    params = [p for p in parameters if p.grad is not None]
+    norm = total_norm(params, norm_type, extra_groups)
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for p in params:
+        grad = p.grad
+        if isinstance(grad, DTensor):
+            grad.to_local().mul_(coef.to(grad.device))
+        else:
+            grad.mul_(coef.to(grad.device))
+    return norm

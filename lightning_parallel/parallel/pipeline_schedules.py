@@ -1,0 +1,180 @@
+"""Pipeline schedules by name, where their stages live, and what microbatch counts they accept.
+
+Why this file exists apart from ``torch.distributed.pipelining``: a schedule that is handed a
+microbatch count it cannot serve may hang in a send/recv or raise on one rank only, while
+its peers wait. Every rule a schedule has is checked here, from plain integers, so that each
+rank raises the same typed error before any process waits on another.
+
+Stages are numbered along the model (stage 0 holds the embedding, the last stage the head).
+Single-stage schedules put stage ``r`` on pipeline rank ``r``. Looped schedules (interleaved
+1F1B, looped BFS, interleaved zero bubble) give each rank ``virtual_stages`` stages spaced
+``pp`` apart: rank ``r`` holds ``r, r + pp, ...``. V-shaped schedules (ZBV, DualPipeV) give
+each rank two stages that mirror each other: rank ``r`` holds ``r`` and ``2 pp - 1 - r``, so
+the first and the last stage share rank 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch.distributed.pipelining import schedules as _sched
+
+from lightning_parallel.parallel.errors import config_error
+
+StageStyle = Literal["single", "loop", "v"]
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """What the engine needs to know about one schedule before building it."""
+
+    name: str
+    cls: type
+    style: StageStyle
+    zero_bubble: bool = False
+
+    @property
+    def multi_stage(self) -> bool:
+        return self.style != "single"
+
+
+SCHEDULES: dict[str, ScheduleSpec] = {
+    "gpipe": ScheduleSpec("gpipe", _sched.ScheduleGPipe, "single"),
+    "1f1b": ScheduleSpec("1f1b", _sched.Schedule1F1B, "single"),
+    "interleaved_1f1b": ScheduleSpec("interleaved_1f1b", _sched.ScheduleInterleaved1F1B, "loop"),
+    "looped_bfs": ScheduleSpec("looped_bfs", _sched.ScheduleLoopedBFS, "loop"),
+    "interleaved_zb": ScheduleSpec("interleaved_zb", _sched.ScheduleInterleavedZeroBubble, "loop", zero_bubble=True),
+    "zbv": ScheduleSpec("zbv", _sched.ScheduleZBVZeroBubble, "v", zero_bubble=True),
+    "dualpipev": ScheduleSpec("dualpipev", _sched.ScheduleDualPipeV, "v", zero_bubble=True),
+}
+"""Accepted ``pipeline_schedule`` values. Naive layer placement is ``gpipe`` with one microbatch."""
+
+
+def schedule_spec(name: Any) -> ScheduleSpec:
+    """Look a schedule up by its config name (case-insensitive; ``-`` and ``_`` are the same)."""
+    if not isinstance(name, str):
+        raise config_error(TypeError, "pipeline_schedule", name, "a schedule is named by a string", f"use one of {sorted(SCHEDULES)}")
+    key = name.lower().replace("-", "_")
+    if key not in SCHEDULES:
+        raise config_error(ValueError, "pipeline_schedule", name, "unknown schedule", f"use one of {sorted(SCHEDULES)}")
+    return SCHEDULES[key]
+
+
+def resolve_virtual_stages(spec: ScheduleSpec, virtual_stages: int | Literal["auto"]) -> int:
+    """Stages per rank: 1 for single-stage schedules, 2 for V schedules, >= 2 for looped ones."""
+    if virtual_stages == "auto":
+        return 1 if spec.style == "single" else 2
+    if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int):
+        raise config_error(TypeError, "virtual_stages", virtual_stages, 'it is an int or "auto"', 'use virtual_stages="auto"')
+    if spec.style == "single" and virtual_stages != 1:
+        raise config_error(
+            ValueError,
+            "virtual_stages",
+            virtual_stages,
+            f"schedule {spec.name!r} runs one stage per rank",
+            "use virtual_stages=1, or pipeline_schedule='interleaved_1f1b' for several stages per rank",
+        )
+    if spec.style == "v" and virtual_stages != 2:
+        raise config_error(ValueError, "virtual_stages", virtual_stages, f"schedule {spec.name!r} runs exactly two stages per rank (a V)", "use virtual_stages=2")
+    if spec.style == "loop" and virtual_stages < 2:
+        raise config_error(
+            ValueError,
+            "virtual_stages",
+            virtual_stages,
+            f"schedule {spec.name!r} interleaves at least two stages per rank",
+            "use virtual_stages=2 (or more), or pipeline_schedule='1f1b' for one stage per rank",
+        )
+    return virtual_stages
+
+
+def stage_to_rank(num_stages: int, pp_size: int, style: StageStyle) -> list[int]:
+    """``result[stage]`` is the pipeline rank (index in the pp group) that runs ``stage``."""
+    assert num_stages % pp_size == 0, (num_stages, pp_size)
+    if style != "v":
+        return [stage % pp_size for stage in range(num_stages)]
+    return [stage if stage < pp_size else 2 * pp_size - 1 - stage for stage in range(num_stages)]
+
+
+def stages_of_rank(pp_rank: int, num_stages: int, pp_size: int, style: StageStyle) -> list[int]:
+    """The stage indices one pipeline rank runs, in increasing order."""
+    return [s for s, r in enumerate(stage_to_rank(num_stages, pp_size, style)) if r == pp_rank]
+
+
+def check_microbatches(spec: ScheduleSpec, pp_size: int, virtual_stages: int, microbatches: Any) -> int:
+    """Raise unless ``spec`` can run ``microbatches`` microbatches on ``pp_size`` ranks.
+
+    The rules mirror what each torch schedule needs to finish (1F1B would otherwise raise on
+    some ranks only; the V schedules would wait for microbatches that never come).
+    """
+    if isinstance(microbatches, bool) or not isinstance(microbatches, int):
+        raise config_error(TypeError, "microbatches", microbatches, "it is a positive int", "pass e.g. microbatches=4")
+    if microbatches < 1:
+        raise config_error(ValueError, "microbatches", microbatches, "at least one microbatch is needed", "use microbatches >= 1")
+    m, p = microbatches, pp_size
+    if spec.name == "1f1b" and m < p:
+        raise config_error(
+            ValueError,
+            "microbatches",
+            m,
+            f"schedule '1f1b' needs at least as many microbatches as stages ({p}); with fewer its warm-up never ends",
+            f"use microbatches >= {p}, or pipeline_schedule='gpipe'",
+        )
+    if spec.style == "loop" and m > p and m % p:
+        # torch splits the microbatches into rounds of pp_size; a partial round is not scheduled.
+        low, high = m - m % p, m + p - m % p
+        raise config_error(
+            ValueError,
+            "microbatches",
+            m,
+            f"schedule {spec.name!r} runs microbatches in rounds of pipeline_parallel_size={p}, so above {p} it needs a multiple of {p}",
+            f"use microbatches={low} or {high}",
+        )
+    if spec.style == "v" and m < 2 * p:
+        raise config_error(
+            ValueError,
+            "microbatches",
+            m,
+            f"schedule {spec.name!r} (a V of {2 * p} stages on {p} ranks) needs at least {2 * p} microbatches to fill the V",
+            f"use microbatches >= {2 * p}, or pipeline_schedule='gpipe' for fewer",
+        )
+    return m
+
+
+def check_batch_size(batch_size: int, microbatches: int, microbatch_size: int | None = None) -> None:
+    """The batch must split into ``microbatches`` equal parts of the traced size (shapes are fixed)."""
+    if batch_size % microbatches:
+        raise config_error(
+            ValueError,
+            "batch_size",
+            batch_size,
+            f"a batch is cut into microbatches={microbatches} equal microbatches, so it must be divisible by {microbatches}",
+            "choose a batch size that is a multiple of microbatches and set drop_last=True on the DataLoader",
+        )
+    if microbatch_size is not None and batch_size // microbatches != microbatch_size:
+        raise config_error(
+            ValueError,
+            "batch_size",
+            batch_size,
+            f"the pipeline was traced for microbatches of {microbatch_size} rows (batch {microbatch_size * microbatches}); "
+            "traced stages have fixed shapes",
+            "keep every batch the same size (drop_last=True on the DataLoader), or build the pipeline for this batch size",
+        )
+
+
+def build_schedule(
+    spec: ScheduleSpec,
+    stages: list[Any],
+    microbatches: int,
+    loss_fn: Callable[..., torch.Tensor] | None,
+) -> Any:
+    """Instantiate the torch schedule. Gradients are never scaled by torch (``scale_grads=False``):
+    it divides the whole accumulated ``.grad``, which breaks gradient accumulation across steps
+    and divides a parameter twice when two local stages share it; the engine scales the loss instead.
+    """
+    if spec.style == "single":
+        assert len(stages) == 1, len(stages)
+        return spec.cls(stages[0], microbatches, loss_fn=loss_fn, scale_grads=False)
+    return spec.cls(stages, microbatches, loss_fn=loss_fn, scale_grads=False)

@@ -1,0 +1,470 @@
+"""``HybridParallelStrategy``: one mesh-driven Lightning strategy for every parallel layout.
+
+The named strategies (``dp``, ``zero1`` ... ``3d``) are presets of this class, so every
+combination of axes goes through the same code. Composition order, applied in ``setup()`` to
+the user's unchanged LightningModule::
+
+    pipeline split -> tensor parallel -> expert parallel -> activation checkpointing
+    -> data parallel (DDP, ZeRO-1 optimizer sharding, or FSDP2 sharding for ZeRO-2/3/HSDP)
+
+Everything that depends only on the options is validated in ``__init__``; everything that
+depends on the world size in ``setup_environment()`` before the process group exists. No rank
+ever waits on a collective because of a configuration error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Generator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.strategies.strategy import TBroadcast
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_parallel.parallel.activation_checkpointing import apply_activation_checkpointing
+from lightning_parallel.parallel.blocks import find_repeated_blocks
+from lightning_parallel.parallel.clip import clip_grad_norm_
+from lightning_parallel.parallel.data_parallel import apply_ddp, apply_fsdp, fsdp_modules, mixed_precision_dtype
+from lightning_parallel.parallel.dims import DP, Degree, ParallelDims
+from lightning_parallel.parallel.zero import shard_optimizer_state
+from lightning_parallel.strategies import checkpoint as ckpt
+from lightning_parallel.strategies.options import as_timedelta, validate_options
+
+
+class _StepWrapper(nn.Module):
+    """FSDP2 root around the LightningModule.
+
+    Lightning calls ``training_step``, not ``forward``; its forward redirection calls this
+    wrapper's ``forward`` with ``training_step`` patched in, so the FSDP root hooks (unshard,
+    gradient reduction) run around the whole step exactly once, whatever the step calls.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+
+class HybridParallelStrategy(ParallelStrategy):
+    """Data, ZeRO/FSDP2, tensor, pipeline and expert parallelism for an unchanged LightningModule.
+
+    Args:
+        data_parallel_size: ranks that see different data; ``"auto"`` = what the other degrees leave.
+        tensor_parallel_size: ranks that split each layer (Megatron-style, DTensor).
+        pipeline_parallel_size: pipeline stages.
+        expert_parallel_size: ranks, drawn from the data-parallel ones, that split the experts.
+        zero_stage: 0 replicated DDP, 1 optimizer-state sharding, 2 +gradients, 3 +parameters.
+        cpu_offload: keep sharded state on the CPU (zero_stage 2-3).
+        mixed_precision: ``"bf16-mixed"`` / ``"16-mixed"`` compute with fp32 gradient reduction.
+        activation_checkpointing: recompute the repeated blocks' activations in backward.
+        hybrid_shard: HSDP, shard within ``data_parallel_size / data_parallel_replicate_size`` ranks
+            and replicate across groups (``"auto"``: one group per node).
+        ddp_bucket_cap_mb: DDP gradient bucket size; smaller buckets start communicating sooner.
+        save_distributed_checkpoint: sharded DCP directory (default) or one consolidated file.
+        timeout: collective timeout (seconds or timedelta): a dead peer fails the step, never hangs it.
+        start_method: ``"popen"`` (re-run the script, like torchrun), or ``"spawn"``/``"fork"`` (notebooks,
+            Hydra multirun).
+    """
+
+    strategy_name = "hybrid_parallel"
+
+    def __init__(
+        self,
+        data_parallel_size: Degree = "auto",
+        tensor_parallel_size: Degree = 1,
+        pipeline_parallel_size: Degree = 1,
+        expert_parallel_size: Degree = 1,
+        zero_stage: int = 0,
+        cpu_offload: bool = False,
+        mixed_precision: str | None = None,
+        activation_checkpointing: bool = False,
+        hybrid_shard: bool = False,
+        data_parallel_replicate_size: Degree = "auto",
+        ddp_bucket_cap_mb: float = 25.0,
+        find_unused_parameters: bool = False,
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | float = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork"] = "popen",
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+    ) -> None:
+        degrees = {
+            "data_parallel_size": data_parallel_size,
+            "tensor_parallel_size": tensor_parallel_size,
+            "pipeline_parallel_size": pipeline_parallel_size,
+            "expert_parallel_size": expert_parallel_size,
+            "data_parallel_replicate_size": data_parallel_replicate_size,
+        }
+        validate_options(
+            degrees=degrees,
+            zero_stage=zero_stage,
+            cpu_offload=cpu_offload,
+            mixed_precision=mixed_precision,
+            activation_checkpointing=activation_checkpointing,
+            hybrid_shard=hybrid_shard,
+            start_method=start_method,
+        )
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self._degrees = degrees
+        self.zero_stage = zero_stage
+        self.cpu_offload = cpu_offload
+        self.mixed_precision = mixed_precision
+        self.activation_checkpointing = activation_checkpointing
+        self.hybrid_shard = hybrid_shard
+        self.ddp_bucket_cap_mb = ddp_bucket_cap_mb
+        self.find_unused_parameters = find_unused_parameters
+        self._save_distributed_checkpoint = save_distributed_checkpoint
+        self._process_group_backend = process_group_backend
+        self._timeout = as_timedelta(timeout)
+        self._start_method = start_method
+        self._num_nodes = 1
+        self._dims: ParallelDims | None = None
+        self._checkpointed_blocks: list[str] = []
+
+    # ------------------------------------------------------------------ topology
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def parallel_dims(self) -> ParallelDims:
+        """The resolved degrees; available from ``setup_environment()`` on."""
+        if self._dims is None:
+            raise RuntimeError(
+                f"{type(self).__name__}.parallel_dims is resolved in setup_environment(), once the world size is known."
+                " HINT: read it inside a LightningModule hook, not at construction."
+            )
+        return self._dims
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        return self.parallel_dims.mesh
+
+    def resolve_dims(self, world_size: int | None = None) -> ParallelDims:
+        """Resolve the degrees for ``world_size`` (default: devices x num_nodes). No collective."""
+        world_size = world_size if world_size is not None else self.num_nodes * self.num_processes
+        return ParallelDims.resolve(
+            world_size,
+            **self._degrees,
+            sharded=self.zero_stage >= 2,
+            hybrid=self.hybrid_shard,
+            num_nodes=self.num_nodes,
+        )
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        dims = self._dims if self._dims is not None else self.resolve_dims()
+        # Row-major mesh (pp, dp_replicate, dp_shard, tp): tp peers share a batch, pp stages too.
+        dp_rank = (self.global_rank // dims.tp) % dims.dp
+        return {"num_replicas": dims.dp, "rank": dp_rank}
+
+    @property
+    def is_distributed(self) -> bool:
+        """Tells Lightning to honour ``self.log(..., sync_dist=True)`` (custom strategies must say so)."""
+        return True
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self.cluster_environment.creates_processes_externally:
+            return
+        if self._start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    @override
+    def setup_environment(self) -> None:
+        # Validate degrees against the world size before any process waits on another.
+        self._dims = self.resolve_dims()
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device
+        )
+        assert self.cluster_environment is not None
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
+        self._dims.build_mesh(self.root_device.type)
+        rank_zero_info(f"{type(self).__name__}: {self._dims.describe()}, zero_stage={self.zero_stage}")
+
+    # ------------------------------------------------------------------ model set-up
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        assert module is not None
+        module._device_mesh = self.device_mesh  # LightningModule.device_mesh, as Lightning's own strategy sets
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self.model = self._parallelize(module)
+        self._sync_metrics_over_data_parallel(module)
+        self._install_global_norm_clipping()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _parallelize(self, module: pl.LightningModule) -> nn.Module:
+        """Apply the techniques in the documented order; return what Lightning should call."""
+        dims = self.parallel_dims
+        blocks = find_repeated_blocks(module)
+        if self.activation_checkpointing:
+            self._checkpointed_blocks = apply_activation_checkpointing(module, blocks)
+        if self.zero_stage >= 2 and dims.dp > 1:
+            root = _StepWrapper(module)
+            apply_fsdp(
+                root,
+                [block for _, block in blocks],
+                dims.data_parallel_mesh(),
+                reshard_after_forward=self.zero_stage == 3,
+                mixed_precision=self.mixed_precision,
+                cpu_offload=self.cpu_offload,
+            )
+            return root
+        if dims.dp > 1:
+            return apply_ddp(
+                module,
+                dims.axis(DP),
+                bucket_cap_mb=self.ddp_bucket_cap_mb,
+                find_unused_parameters=self.find_unused_parameters,
+            )
+        return module
+
+    @override
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        super().setup_optimizers(trainer)
+        if self.zero_stage != 1 or self.parallel_dims.dp == 1:
+            return
+        group = self.parallel_dims.axis(DP).get_group()
+        for idx, optimizer in enumerate(self.optimizers):
+            sharded = shard_optimizer_state(optimizer, group)
+            for config in self.lr_scheduler_configs:
+                if getattr(config.scheduler, "optimizer", None) is optimizer:
+                    config.scheduler.optimizer = sharded  # type: ignore[attr-defined]
+            self.optimizers[idx] = sharded
+
+    def _sync_metrics_over_data_parallel(self, module: nn.Module) -> None:
+        """torchmetrics sync over the data-parallel group: tensor/pipeline peers hold copies, not new samples."""
+        if self.parallel_dims.dp == self.parallel_dims.world_size:
+            return
+        from torchmetrics import Metric
+
+        group = self.parallel_dims.axis(DP).get_group()
+        for metric in module.modules():
+            if isinstance(metric, Metric):
+                metric.process_group = group
+
+    def _install_global_norm_clipping(self) -> None:
+        """Route Lightning's norm clipping through the layout-aware global norm."""
+        plugin = self.precision_plugin
+
+        def clip_grad_by_norm(optimizer: Optimizer, clip_val: int | float) -> None:
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            clip_grad_norm_(params, float(clip_val))
+
+        plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    # ------------------------------------------------------------------ steps
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """Mixed precision without FSDP2 (whose policy casts parameters itself): torch.autocast."""
+        dtype = mixed_precision_dtype(self.mixed_precision)
+        if dtype is None or isinstance(self.model, _StepWrapper):
+            return contextlib.nullcontext()
+        return torch.autocast(self.root_device.type, dtype=dtype)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._autocast():
+            return super().training_step(*args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._autocast():
+            return super().validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._autocast():
+            return super().test_step(*args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._autocast():
+            return super().predict_step(*args, **kwargs)
+
+    @contextlib.contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Skip gradient reduction on accumulation steps (DDP ``no_sync``, FSDP2 gradient sync off)."""
+        if isinstance(self.model, DistributedDataParallel):
+            with self.model.no_sync():
+                yield
+            return
+        roots = fsdp_modules(self.model) if self.model is not None else []
+        for root in roots:
+            root.set_requires_gradient_sync(False, recurse=False)
+        try:
+            yield
+        finally:
+            for root in roots:
+                root.set_requires_gradient_sync(True, recurse=False)
+
+    # ------------------------------------------------------------------ collectives
+    def _data_parallel_group(self) -> dist.ProcessGroup | None:
+        if self._dims is None or self._dims._mesh is None or self._dims.dp == self._dims.world_size:
+            return None
+        return self._dims.axis(DP).get_group()
+
+    @override
+    def reduce(
+        self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
+    ) -> Tensor | Any:
+        """Reduce over the data-parallel group by default: tensor and pipeline peers hold the same value."""
+        if not isinstance(tensor, Tensor):
+            return tensor
+        return _sync_ddp_if_available(tensor, group if group is not None else self._data_parallel_group(), reduce_op)
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if not _distributed_is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    # ------------------------------------------------------------------ checkpoints
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        assert self.lightning_module is not None
+        return ckpt.model_state(self.lightning_module, full=not self._save_distributed_checkpoint)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        assert self.lightning_module is not None
+        return ckpt.optimizer_state(self.lightning_module, optimizer, full=not self._save_distributed_checkpoint)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        path = Path(self.broadcast(str(filepath)))
+        if self._save_distributed_checkpoint:
+            ckpt.save_sharded(checkpoint, path, zero1=self.zero_stage == 1 and self.parallel_dims.dp > 1)
+        else:
+            super().save_checkpoint(checkpoint, path, storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(str(checkpoint_path)))
+        assert self.lightning_module is not None
+        return ckpt.load_into(
+            self.lightning_module, list(self.optimizers), path, strict=self.lightning_module.strict_loading
+        )
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        """Already loaded in place by ``load_checkpoint`` (with resharding)."""
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        """Already loaded in place by ``load_checkpoint`` (with resharding)."""
+
+    @override
+    def teardown(self) -> None:
+        if isinstance(self.model, (DistributedDataParallel, _StepWrapper)):
+            self.model = self.lightning_module
+        assert self.cluster_environment is not None and self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()

@@ -1,0 +1,95 @@
+"""Validation of the strategy's non-degree options, done in ``__init__`` before any process starts.
+
+Degrees are validated against the world size in ``ParallelDims.resolve`` (once the number of
+processes is known); everything that does not depend on it is checked here, so a typo in a
+config fails at construction, on every rank, with a message naming the field and a fix.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from lightning_parallel.parallel.data_parallel import _DTYPES
+from lightning_parallel.parallel.dims import check_degree
+from lightning_parallel.parallel.errors import config_error
+
+MIXED_PRECISION_CHOICES = (None, "32-true", *sorted(k for k in _DTYPES if k.endswith("-mixed")))
+START_METHODS = ("popen", "spawn", "fork")
+
+
+def check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise config_error(TypeError, name, value, "it must be a bool", f"pass {name}=True or {name}=False")
+
+
+def validate_options(
+    *,
+    degrees: dict[str, Any],
+    zero_stage: Any,
+    cpu_offload: Any,
+    mixed_precision: Any,
+    activation_checkpointing: Any,
+    hybrid_shard: Any,
+    start_method: Any,
+) -> None:
+    """Raise a typed, explained error for the first invalid option."""
+    for name, value in degrees.items():
+        check_degree(name, value)
+    if isinstance(zero_stage, bool) or not isinstance(zero_stage, int):
+        raise config_error(TypeError, "zero_stage", zero_stage, "it must be an int in 0-3", "pass zero_stage=0 (DDP), 1, 2 or 3")
+    if zero_stage not in (0, 1, 2, 3):
+        raise config_error(
+            ValueError,
+            "zero_stage",
+            zero_stage,
+            "ZeRO stages are 0 (replicated), 1 (optimizer state), 2 (+gradients) and 3 (+parameters)",
+            "pass zero_stage=0, 1, 2 or 3",
+        )
+    for name, value in (
+        ("cpu_offload", cpu_offload),
+        ("activation_checkpointing", activation_checkpointing),
+        ("hybrid_shard", hybrid_shard),
+    ):
+        check_bool(name, value)
+    if cpu_offload and zero_stage < 2:
+        raise config_error(
+            ValueError,
+            "cpu_offload",
+            f"True with zero_stage={zero_stage}",
+            "offloading moves sharded parameters, gradients and optimizer state to the CPU, which needs zero_stage 2 or 3",
+            "set zero_stage=3 (strategy 'zero3_offload') or cpu_offload=False",
+        )
+    if hybrid_shard and zero_stage < 2:
+        raise config_error(
+            ValueError,
+            "hybrid_shard",
+            f"True with zero_stage={zero_stage}",
+            "HSDP shards within a replica group, which needs zero_stage 2 or 3",
+            "set zero_stage=3 (strategy 'hsdp') or hybrid_shard=False",
+        )
+    if mixed_precision not in MIXED_PRECISION_CHOICES:
+        raise config_error(
+            ValueError,
+            "mixed_precision",
+            mixed_precision,
+            f"it must be one of {MIXED_PRECISION_CHOICES}",
+            'use mixed_precision="bf16-mixed", or None for fp32',
+        )
+    if start_method not in START_METHODS:
+        raise config_error(
+            ValueError,
+            "start_method",
+            start_method,
+            f"it must be one of {START_METHODS}",
+            'use "popen" for scripts and torchrun, "spawn" for notebooks and Hydra multirun',
+        )
+
+
+def as_timedelta(timeout: timedelta | float | int) -> timedelta:
+    """Collective timeout: a timedelta, or seconds (Hydra and the CLI pass numbers)."""
+    if isinstance(timeout, timedelta):
+        return timeout
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise config_error(ValueError, "timeout", timeout, "it must be a positive number of seconds or a timedelta", "pass timeout=1800")
+    return timedelta(seconds=float(timeout))

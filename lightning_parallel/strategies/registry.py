@@ -1,0 +1,38 @@
+"""The strategy names users type: presets of the one ``HybridParallelStrategy``.
+
+Every preset goes through the same class and code path, so a combination that works under one
+name works under every other. No name shadows one of Lightning's built-ins (``ddp``, ``fsdp``,
+``deepspeed`` ... keep meaning what Lightning says).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_parallel.strategies.hybrid import HybridParallelStrategy
+
+PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
+    "dp": ("Replicated data parallelism: torch DDP, bucketed all-reduce overlapped with backward", {"zero_stage": 0}),
+    "zero1": ("ZeRO-1: DDP with optimizer state sharded across data-parallel ranks", {"zero_stage": 1}),
+    "zero2": ("ZeRO-2 on FSDP2: params gathered once per step, gradients and optimizer state sharded", {"zero_stage": 2}),
+    "zero3": ("ZeRO-3 on FSDP2: parameters, gradients and optimizer state sharded", {"zero_stage": 3}),
+    "fsdp2": ("Alias of zero3 (FSDP2 fully_shard)", {"zero_stage": 3}),
+    "zero3_offload": ("ZeRO-3 with sharded state offloaded to the CPU", {"zero_stage": 3, "cpu_offload": True}),
+    "hsdp": (
+        "Hybrid sharding: shard within a group (node), replicate across groups",
+        {"zero_stage": 3, "hybrid_shard": True},
+    ),
+}
+
+
+def register_strategies(registry: Any = StrategyRegistry) -> list[str]:
+    """Register every preset not yet registered; return the names registered by this call."""
+    added = []
+    for name, (description, params) in PRESETS.items():
+        if name in registry:
+            continue
+        registry.register(name, HybridParallelStrategy, description=description, **params)
+        added.append(name)
+    return added

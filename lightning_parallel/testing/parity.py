@@ -1,0 +1,141 @@
+"""Parity runs: train one LightningModule under a strategy and under one process, compare.
+
+The claim every strategy makes is "same losses and parameters as single-process training on
+the same global batch". To test it the data order must be identical: Lightning always shuffles
+the sampler it injects, so a run here uses ``use_distributed_sampler=False`` and a
+``DistributedSampler(shuffle=False)`` built from the strategy's own ``distributed_sampler_kwargs``
+(data-parallel rank and size). Rank ``r`` of ``n`` then sees samples ``r, r+n, ...``; step ``k``
+of all ranks together covers the same contiguous block as step ``k`` of one process with an
+``n`` times larger batch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+
+@dataclass
+class FitSpec:
+    """Everything one parity run needs; picklable so spawned ranks can receive it."""
+
+    model: str  # "package.module:ClassName"
+    model_kwargs: dict[str, Any] = field(default_factory=dict)
+    data: str = "lightning_parallel.testing.parity:classification_data"
+    data_kwargs: dict[str, Any] = field(default_factory=dict)
+    strategy: Any = "auto"  # a registered name, or {"class": "pkg.mod:Class", **kwargs}
+    devices: int = 1
+    global_batch: int = 16
+    max_steps: int = 6
+    seed: int = 1234
+    trainer_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+def _load(path: str) -> Any:
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def classification_data(num_samples: int = 256, in_dim: int = 16, num_classes: int = 4, seed: int = 0) -> TensorDataset:
+    """A small learnable classification set, the same on every rank for a seed."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_samples, in_dim, generator=gen)
+    teacher = torch.randn(in_dim, num_classes, generator=gen)
+    return TensorDataset(x, (x @ teacher).argmax(dim=1))
+
+
+class _Recorder:
+    """Callback recording per-step logged losses and the unclipped gradient norm (reference runs)."""
+
+    def __new__(cls) -> Any:
+        from lightning.pytorch import Callback
+
+        class Recorder(Callback):
+            def __init__(self) -> None:
+                self.losses: list[float] = []
+                self.grad_norms: list[float] = []
+
+            def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+                value = trainer.callback_metrics.get("train_loss")
+                if value is not None:
+                    self.losses.append(float(value))
+
+            def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+                grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+                if grads and not any(isinstance(g, DTensor) for g in grads):
+                    self.grad_norms.append(float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))))
+
+        return Recorder()
+
+
+def full_parameters(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter as a full tensor under its original name (a collective for DTensors)."""
+    out = {}
+    for name, param in module.named_parameters():
+        value = param.full_tensor() if isinstance(param, DTensor) else param
+        out[name] = value.detach().cpu().clone()
+    return out
+
+
+def _make_strategy(spec: Any) -> Any:
+    if isinstance(spec, dict):
+        kwargs = dict(spec)
+        return _load(kwargs.pop("class"))(**kwargs)
+    return spec
+
+
+def run_fit(spec: FitSpec) -> dict[str, Any]:
+    """Fit per ``spec`` in this process (one rank of a spawned group, or the reference run)."""
+    import lightning.pytorch as pl
+
+    import lightning_parallel  # noqa: F401  (registers the strategy names)
+
+    pl.seed_everything(spec.seed, verbose=False)
+    model = _load(spec.model)(**spec.model_kwargs)
+    dataset = _load(spec.data)(**spec.data_kwargs)
+    recorder = _Recorder()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=spec.devices,
+        strategy=_make_strategy(spec.strategy),
+        max_steps=spec.max_steps,
+        use_distributed_sampler=False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[recorder],
+        **spec.trainer_kwargs,
+    )
+    sampler_kwargs = trainer.strategy.distributed_sampler_kwargs if spec.devices > 1 else {"num_replicas": 1, "rank": 0}
+    replicas = sampler_kwargs["num_replicas"]
+    if spec.global_batch % replicas:
+        raise ValueError(f"global_batch={spec.global_batch} must be divisible by the data-parallel size {replicas}")
+    sampler = DistributedSampler(dataset, shuffle=False, drop_last=True, **sampler_kwargs)
+    loader = DataLoader(dataset, batch_size=spec.global_batch // replicas, sampler=sampler, drop_last=True)
+    trainer.fit(model, train_dataloaders=loader)
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if isinstance(v, torch.Tensor) and v.numel() == 1}
+    local_numel = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
+    return {
+        "layout": {
+            "model": type(trainer.strategy.model).__name__,
+            "optimizer": type(trainer.optimizers[0]).__name__ if trainer.optimizers else None,
+            "local_param_numel": local_numel,
+        },
+        "losses": recorder.losses,
+        "grad_norms": recorder.grad_norms,
+        "params": full_parameters(model),
+        "metrics": metrics,
+        "global_step": trainer.global_step,
+    }
+
+
+def run_fits(specs: list[FitSpec]) -> list[dict[str, Any]]:
+    """Several fits in one process group (one spawn pays the start-up cost once)."""
+    return [run_fit(spec) for spec in specs]

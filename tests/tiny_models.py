@@ -1,0 +1,49 @@
+"""Small LightningModules used by the multi-process tests; they know nothing of parallelism."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchmetrics.classification import MulticlassAccuracy
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.fc(x))
+
+
+class TinyNet(pl.LightningModule):
+    """Stem, a stack of identical residual blocks, a head: SGD, logs loss and a torchmetrics metric."""
+
+    def __init__(self, in_dim: int = 16, width: int = 32, depth: int = 3, num_classes: int = 4, lr: float = 0.5,
+                 momentum: float = 0.0) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.stem = nn.Linear(in_dim, width)
+        self.blocks = nn.ModuleList([Block(width) for _ in range(depth)])
+        self.head = nn.Linear(width, num_classes)
+        self.train_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        logits = self(x)
+        loss = F.cross_entropy(logits, y)
+        self.train_acc(logits, y)
+        self.log("train_loss", loss, sync_dist=True)
+        self.log("train_acc", self.train_acc, on_step=False, on_epoch=True)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=self.hparams.momentum)

@@ -6,10 +6,10 @@ Importing the package registers the strategy names (``dp``, ``zero1``, ``zero2``
 """
 
 from lightning_parallel.parallel.dims import ParallelDims
-from lightning_parallel.strategies import PRESETS, HybridParallelStrategy, register_strategies
+from lightning_parallel.strategies import PRESETS, HybridParallelStrategy, register_strategies, strategy_from_name
 
 __version__ = "0.1.0"
 
 register_strategies()
 
-__all__ = ["PRESETS", "HybridParallelStrategy", "ParallelDims", "__version__", "register_strategies"]
+__all__ = ["PRESETS", "HybridParallelStrategy", "ParallelDims", "__version__", "register_strategies", "strategy_from_name"]

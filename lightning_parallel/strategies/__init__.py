@@ -1,6 +1,6 @@
 """Lightning side: the one mesh-driven strategy and its registered presets."""
 
 from lightning_parallel.strategies.hybrid import HybridParallelStrategy
-from lightning_parallel.strategies.registry import PRESETS, register_strategies
+from lightning_parallel.strategies.registry import PRESETS, register_strategies, strategy_from_name
 
-__all__ = ["PRESETS", "HybridParallelStrategy", "register_strategies"]
+__all__ = ["PRESETS", "HybridParallelStrategy", "register_strategies", "strategy_from_name"]

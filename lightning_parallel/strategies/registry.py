@@ -7,10 +7,12 @@ name works under every other. No name shadows one of Lightning's built-ins (``dd
 
 from __future__ import annotations
 
+import difflib
 from typing import Any
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_parallel.parallel.errors import config_error
 from lightning_parallel.strategies.hybrid import HybridParallelStrategy
 
 PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -36,3 +38,21 @@ def register_strategies(registry: Any = StrategyRegistry) -> list[str]:
         registry.register(name, HybridParallelStrategy, description=description, **params)
         added.append(name)
     return added
+
+
+def strategy_from_name(name: str, **overrides: Any) -> HybridParallelStrategy:
+    """Build a preset by name with option overrides (the Hydra app and the CLI use this).
+
+    Lightning's own message for an unknown name lists only its built-ins; this one lists ours
+    and the closest matches.
+    """
+    if name not in PRESETS:
+        close = difflib.get_close_matches(name, list(PRESETS), n=3, cutoff=0.5)
+        raise config_error(
+            ValueError,
+            "strategy",
+            name,
+            f"lightning_parallel strategies are {sorted(PRESETS)}",
+            f"did you mean {close[0]!r}?" if close else "pick one of those names, or a Lightning built-in such as 'ddp'",
+        )
+    return HybridParallelStrategy(**{**PRESETS[name][1], **overrides})

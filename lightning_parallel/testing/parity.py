@@ -59,6 +59,15 @@ class _Recorder:
             def __init__(self) -> None:
                 self.losses: list[float] = []
                 self.grad_norms: list[float] = []
+                self.layout: dict[str, Any] = {}
+
+            def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+                local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in pl_module.parameters())
+                self.layout = {
+                    "model": type(trainer.strategy.model).__name__,
+                    "optimizer": type(trainer.optimizers[0]).__name__ if trainer.optimizers else None,
+                    "local_param_numel": local,
+                }
 
             def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
                 value = trainer.callback_metrics.get("train_loss")
@@ -121,13 +130,8 @@ def run_fit(spec: FitSpec) -> dict[str, Any]:
     loader = DataLoader(dataset, batch_size=spec.global_batch // replicas, sampler=sampler, drop_last=True)
     trainer.fit(model, train_dataloaders=loader)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if isinstance(v, torch.Tensor) and v.numel() == 1}
-    local_numel = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
     return {
-        "layout": {
-            "model": type(trainer.strategy.model).__name__,
-            "optimizer": type(trainer.optimizers[0]).__name__ if trainer.optimizers else None,
-            "local_param_numel": local_numel,
-        },
+        "layout": recorder.layout,
         "losses": recorder.losses,
         "grad_norms": recorder.grad_norms,
         "params": full_parameters(model),

@@ -35,8 +35,8 @@ SEED_DIMS: tuple[int, ...] = (1000, 500, 100, 10)
 LARGE_DIMS: tuple[int, ...] = (10000, 5000, 2000, 1000, 500, 10)
 
 
-def make_activation(activation: str) -> nn.Module:
-    """Build the activation named ``activation`` or raise a config error listing the choices."""
+def check_activation(activation: str) -> str:
+    """Return the lower-cased activation name or raise a config error listing the choices."""
     if not isinstance(activation, str) or activation.lower() not in ACTIVATIONS:
         raise config_error(
             ValueError,
@@ -45,7 +45,12 @@ def make_activation(activation: str) -> nn.Module:
             f"must be one of {sorted(ACTIVATIONS)}",
             "use activation='relu'",
         )
-    return ACTIVATIONS[activation.lower()]()
+    return activation.lower()
+
+
+def make_activation(activation: str) -> nn.Module:
+    """Build the activation named ``activation`` (validated by :func:`check_activation`)."""
+    return ACTIVATIONS[check_activation(activation)]()
 
 
 def _check_dims(dims: Sequence[int]) -> list[int]:
@@ -81,6 +86,7 @@ class MLPClassifier(ClassificationModule):
         # Normalised before save_hyperparameters (which reads this frame's locals) so that the
         # saved value is a plain list whatever Hydra or the CLI passed in (ListConfig, tuple).
         dims = _check_dims(dims)
+        check_activation(activation)  # also when dims=[in, out] builds no activation at all
         super().__init__(dims[-1], lr, optimizer, momentum, weight_decay, eps)
         self.save_hyperparameters()
         layers: list[nn.Module] = []

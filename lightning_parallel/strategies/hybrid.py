@@ -15,6 +15,7 @@ ever waits on a collective because of a configuration error.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Generator
 from datetime import timedelta
 from pathlib import Path
@@ -56,6 +57,11 @@ from lightning_parallel.parallel.dims import DP, Degree, ParallelDims
 from lightning_parallel.parallel.zero import shard_optimizer_state
 from lightning_parallel.strategies import checkpoint as ckpt
 from lightning_parallel.strategies.options import as_timedelta, validate_options
+
+
+# A module is parallelised in place once (fully_shard and checkpoint hooks cannot be applied
+# twice); fit then test on one Trainer, or a second Trainer with the same layout, reuse it.
+_PARALLELIZED: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[Any, ...], nn.Module]] = weakref.WeakKeyDictionary()
 
 
 class _StepWrapper(nn.Module):
@@ -271,7 +277,27 @@ class HybridParallelStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 
+    def _layout_signature(self) -> tuple[Any, ...]:
+        dims = self.parallel_dims
+        return (dims.shape, dims.ep, self.zero_stage, self.cpu_offload, self.mixed_precision, self.activation_checkpointing)
+
     def _parallelize(self, module: pl.LightningModule) -> nn.Module:
+        """Apply the layout once per module; a later setup with the same layout reuses it."""
+        signature = self._layout_signature()
+        if module in _PARALLELIZED:
+            previous, root = _PARALLELIZED[module]
+            if previous != signature:
+                raise RuntimeError(
+                    f"This {type(module).__name__} was already parallelised with layout {previous}; it cannot be"
+                    f" re-laid out as {signature} in place. HINT: build a fresh model and load a checkpoint into it"
+                    " (checkpoints are layout-independent)."
+                )
+            return root
+        root = self._apply_layout(module)
+        _PARALLELIZED[module] = (signature, root)
+        return root
+
+    def _apply_layout(self, module: pl.LightningModule) -> nn.Module:
         """Apply the techniques in the documented order; return what Lightning should call."""
         dims = self.parallel_dims
         blocks = find_repeated_blocks(module)

@@ -1,0 +1,1 @@
+"""The Hydra application: job launching, per-job results, and the multirun summary table."""

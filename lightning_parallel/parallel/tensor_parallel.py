@@ -1,0 +1,185 @@
+"""Megatron-style tensor parallelism on DTensor for an unchanged model, in place.
+
+Given a :class:`~lightning_parallel.parallel.tp_plan.TensorParallelPlan` (see ``tp_plan``),
+the first linear(s) of each pair split their output features (column-parallel), the second
+its input features (row-parallel, one all-reduce per pair in the forward), the token embedding
+its vocabulary, and the LM head its vocabulary with the logits gathered, so the model's own
+``forward`` and an unchanged ``F.cross_entropy`` on the logits still work. Parameter names
+never change (``parallelize_module`` swaps each parameter for a DTensor under the same name),
+so optimizers built afterwards, ``state_dict`` and distributed checkpoints see the same keys.
+
+Inside an attention or MLP module (a "region": the parent of a row-parallel linear) the
+column-parallel outputs stay DTensors, which is what lets code that reshapes with the global
+head count run unchanged (see :mod:`lightning_parallel.parallel.tp_attention`).
+
+Sequence parallelism (``sequence_parallel=True``): between blocks the residual stream stays
+split along the sequence (dim 1, batch-first): norms run on their slice with replicated
+DTensor weights (``SequenceParallel``), the row-parallel output reduce-scatters instead of
+all-reducing, a region gathers the sequence on entry, the token embedding's output is split,
+a replicated position embedding keeps its rank's slice, and the LM head gathers before
+projecting. Sequences must divide by the TP size.
+
+Composition: apply this before FSDP2 (which then shards the DTensor parameters over the
+data-parallel axes) and after a pipeline split.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from lightning_parallel.parallel.errors import config_error
+from lightning_parallel.parallel.tp_attention import (
+    RegionForward,
+    gather_input_hook,
+    install_region,
+    slice_output_hook,
+)
+from lightning_parallel.parallel.tp_plan import (
+    COLWISE,
+    COLWISE_GATHER,
+    EMBEDDING_ROWWISE,
+    ROWWISE,
+    TensorParallelPlan,
+)
+
+
+def _parent(name: str) -> str:
+    return name.rpartition(".")[0]
+
+
+def _inside(name: str, containers: set[str]) -> bool:
+    """Whether ``name`` is one of ``containers`` or below one of them."""
+    parts = name.split(".")
+    return "" in containers or any(".".join(parts[:i]) in containers for i in range(1, len(parts) + 1))
+
+
+def check_tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, plan: TensorParallelPlan, sequence_parallel: bool) -> None:
+    """Every check :func:`apply_tensor_parallel` makes, with no collective: call it on every rank first."""
+    if not isinstance(plan, TensorParallelPlan):
+        raise config_error(TypeError, "plan", type(plan).__name__, "must be a TensorParallelPlan", "build it with resolve_tp_plan(module, tp_size)")
+    if not isinstance(tp_mesh, DeviceMesh) or tp_mesh.ndim != 1:
+        raise config_error(
+            ValueError, "tp_mesh", tp_mesh, "must be a 1-D DeviceMesh (the tensor-parallel axis)",
+            "pass ParallelDims.build_mesh(...) then dims.axis(TP)",
+        )
+    if tp_mesh.size() != plan.tp_size:
+        raise config_error(
+            ValueError, "plan.tp_size", plan.tp_size, f"it must equal the tensor-parallel mesh size {tp_mesh.size()}",
+            "resolve the plan with the same tensor_parallel_size as the mesh",
+        )
+    if not isinstance(sequence_parallel, bool):
+        raise config_error(TypeError, "sequence_parallel", sequence_parallel, "must be a bool", "pass sequence_parallel=true or false")
+    modules = dict(module.named_modules())
+    missing = [n for n in (*plan.styles, *plan.regions, *plan.norms) if n not in modules]
+    if missing:
+        raise config_error(
+            ValueError, "plan", missing[:5], "names modules this model does not have (resolved for another model?)",
+            "call resolve_tp_plan on the module you parallelise",
+        )
+    already = [n for n, p in module.named_parameters() if isinstance(p, DTensor)]
+    if already or any(isinstance(m.__dict__.get("forward"), RegionForward) for m in modules.values()):
+        raise config_error(
+            RuntimeError, "apply_tensor_parallel", type(module).__name__,
+            f"the module is already parallelised (DTensor parameters such as {already[:2]})",
+            "apply tensor parallelism once, before data-parallel sharding",
+        )
+    if sequence_parallel:
+        if not plan.stream_embeddings:
+            raise config_error(
+                ValueError, "sequence_parallel", True,
+                f"{type(module).__name__} has no nn.Embedding producing (batch, sequence, features) hidden states, so there is no sequence to split",
+                "set sequence_parallel=false for this model",
+            )
+        covered = set(plan.styles) | set(plan.norms) | set(plan.stream_embeddings) | set(plan.lm_heads)
+        containers = set(plan.regions) | set(plan.blocks)
+        unplaced = [
+            n for n, m in modules.items()
+            if any(True for _ in m.parameters(recurse=False)) and n not in covered and not _inside(n, containers)
+        ]
+        if unplaced:
+            raise config_error(
+                ValueError, "sequence_parallel", True,
+                f"modules {unplaced[:5]} own parameters on the residual stream but are neither a norm, an embedding, "
+                "an LM head nor inside an attention/MLP block, so their place in a sequence split is unknown",
+                "set sequence_parallel=false, or give a tp_plan marking per-token modules as 'sequence_parallel'",
+            )
+
+
+def _styles(plan: TensorParallelPlan, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """One torch ``ParallelStyle`` per planned module."""
+    sp = sequence_parallel
+    regions = set(plan.regions)
+    stream = Shard(1) if sp else Replicate()
+    out: dict[str, ParallelStyle] = {}
+    for name, style in plan.styles.items():
+        in_region = _parent(name) in regions
+        if style == COLWISE:
+            # In a region the output stays a DTensor (global shapes for the user's reshapes).
+            out[name] = ColwiseParallel(use_local_output=not in_region)
+        elif style == ROWWISE:
+            out[name] = RowwiseParallel(output_layouts=stream if in_region else Replicate())
+        elif style == COLWISE_GATHER:
+            reads_stream = sp and name in plan.lm_heads
+            out[name] = ColwiseParallel(input_layouts=Shard(1) if reads_stream else Replicate(), output_layouts=Replicate())
+        elif style == EMBEDDING_ROWWISE:
+            writes_stream = sp and name in plan.stream_embeddings
+            out[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1) if writes_stream else Replicate())
+        else:  # pragma: no cover - resolve_tp_plan only stores sharding styles here
+            raise AssertionError(f"unexpected style {style!r} for {name}")
+    if sp:
+        for name in plan.norms:
+            out[name] = SequenceParallel(use_local_output=True)
+    return out
+
+
+def _ties(module: nn.Module, names: set[str]) -> list[list[tuple[str, str]]]:
+    """Groups of (module, parameter name) sharing one Parameter, among the planned modules."""
+    owners: dict[int, list[tuple[str, str]]] = {}
+    for mod_name, mod in module.named_modules(remove_duplicate=False):
+        for local, param in mod.named_parameters(recurse=False):
+            owners.setdefault(id(param), []).append((mod_name, local))
+    return [group for group in owners.values() if len(group) > 1 and any(m in names for m, _ in group)]
+
+
+def apply_tensor_parallel(
+    module: nn.Module, tp_mesh: DeviceMesh, plan: TensorParallelPlan, sequence_parallel: bool = False
+) -> None:
+    """Parallelise ``module`` in place over the 1-D ``tp_mesh`` following ``plan``.
+
+    All input checks run before the first collective (see :func:`check_tensor_parallel`).
+    Every rank must hold the same initial weights or, as ``distribute_tensor`` does, rank 0's
+    are used. Build the optimizer after this call: the parameters are new DTensor objects.
+    """
+    check_tensor_parallel(module, tp_mesh, plan, sequence_parallel)
+    styles = _styles(plan, sequence_parallel)
+    ties = _ties(module, set(styles))
+    parallelize_module(module, tp_mesh, styles)
+    for group in ties:  # parallelize_module distributes each owner separately: tie them again
+        first_mod, first_local = group[0]
+        shared = getattr(module.get_submodule(first_mod), first_local)
+        for mod_name, local in group[1:]:
+            setattr(module.get_submodule(mod_name), local, shared)
+    sp = sequence_parallel
+    for name in plan.regions:
+        install_region(module.get_submodule(name), tp_mesh, dtensor_region=True, gather_input=sp)
+    if not sp:
+        return
+    for name in plan.blocks:
+        if name not in plan.regions and not _inside(name, set(plan.regions)):
+            # A replicated attention/MLP (e.g. heads not divisible): full sequence in, own slice out.
+            install_region(module.get_submodule(name), tp_mesh, dtensor_region=False, gather_input=True, slice_output=True)
+    for name in plan.stream_embeddings:
+        if name not in plan.styles:
+            module.get_submodule(name).register_forward_hook(slice_output_hook(tp_mesh))
+    for name in plan.lm_heads:
+        if name not in plan.styles:
+            module.get_submodule(name).register_forward_pre_hook(gather_input_hook(tp_mesh))

@@ -24,6 +24,21 @@ def test_resolve_auto_fills_data_parallel() -> None:
     assert (sharded.dp_replicate, sharded.dp_shard) == (1, 4)
 
 
+def test_tensor_parallel_auto_takes_the_remaining_processes() -> None:
+    assert ParallelDims.resolve(4, tensor_parallel_size="auto").tp == 4
+    dims = ParallelDims.resolve(8, tensor_parallel_size="auto", data_parallel_size=2)
+    assert (dims.tp, dims.dp) == (4, 2)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size='auto'"):
+        ParallelDims.resolve(4, tensor_parallel_size="auto", data_parallel_size=3)
+
+
+def test_zero1_with_tensor_parallel_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"`zero_stage`='1 with tensor_parallel_size=2'.*ZeroRedundancyOptimizer"):
+        HybridParallelStrategy(zero_stage=1, tensor_parallel_size=2)
+    with pytest.raises(TypeError, match=r"`tp_plan`"):
+        HybridParallelStrategy(tp_plan=["q", "colwise"])
+
+
 def test_resolve_hybrid_shard_splits_replicate_and_shard() -> None:
     dims = ParallelDims.resolve(4, sharded=True, hybrid=True)
     assert (dims.dp_replicate, dims.dp_shard) == (2, 2)
@@ -84,7 +99,7 @@ def test_degrees_checked_against_world_size_before_any_collective() -> None:
 
 def test_presets_registered_without_shadowing_lightning() -> None:
     names = set(lightning_parallel.PRESETS)
-    assert {"dp", "zero1", "zero2", "zero3", "fsdp2", "zero3_offload", "hsdp"} <= names
+    assert {"dp", "zero1", "zero2", "zero3", "fsdp2", "zero3_offload", "hsdp", "tp"} <= names
     assert not names & LIGHTNING_BUILTINS
     for name in names:
         assert StrategyRegistry[name]["strategy"] is HybridParallelStrategy

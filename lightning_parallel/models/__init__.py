@@ -7,7 +7,9 @@ types so Hydra ``_target_`` and the Lightning CLI can build them from config.
 
 from lightning_parallel.models.base import ClassificationModule
 from lightning_parallel.models.gpt import GPT, MLP, Block, CausalSelfAttention
+from lightning_parallel.models.llama import Llama
 from lightning_parallel.models.mlp import DeepBlock, DeepMLP, LargeMLP, MLPClassifier, SeedMLP
+from lightning_parallel.models.moe_gpt import MoEGPT
 
 __all__ = [
     "GPT",
@@ -18,6 +20,8 @@ __all__ = [
     "DeepBlock",
     "DeepMLP",
     "LargeMLP",
+    "Llama",
     "MLPClassifier",
+    "MoEGPT",
     "SeedMLP",
 ]

@@ -15,14 +15,16 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 _Group = dist.ProcessGroup | None
 
 
 def _shard_groups(grad: DTensor) -> tuple[dist.ProcessGroup, ...]:
+    """Groups of the mesh dims on which ``grad`` is split (FSDP2's ``_StridedShard`` included,
+    which is not a ``Shard`` subclass in every torch release)."""
     mesh = grad.device_mesh
-    return tuple(mesh.get_group(dim) for dim, placement in enumerate(grad.placements) if isinstance(placement, Shard))
+    return tuple(mesh.get_group(dim) for dim, placement in enumerate(grad.placements) if not placement.is_replicate())
 
 
 def total_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0, extra_groups: Iterable[_Group] = ()) -> torch.Tensor:

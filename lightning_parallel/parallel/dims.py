@@ -82,8 +82,21 @@ class ParallelDims:
             ("data_parallel_replicate_size", data_parallel_replicate_size),
         ):
             check_degree(name, value)
-        tp = 1 if tensor_parallel_size == "auto" else tensor_parallel_size
         pp = 1 if pipeline_parallel_size == "auto" else pipeline_parallel_size
+        if tensor_parallel_size == "auto":
+            # "auto" tensor parallelism takes the processes the other degrees leave (all, by default).
+            others = pp * (1 if data_parallel_size == "auto" else data_parallel_size)
+            if world_size % others:
+                raise config_error(
+                    ValueError,
+                    "data_parallel_size * pipeline_parallel_size",
+                    others,
+                    f"it must divide the world size {world_size} for tensor_parallel_size='auto'",
+                    "choose degrees that divide the number of processes",
+                )
+            tp = world_size // others
+        else:
+            tp = tensor_parallel_size
         model_degrees = tp * pp
         if data_parallel_size == "auto":
             if world_size % model_degrees:

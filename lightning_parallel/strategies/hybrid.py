@@ -53,7 +53,9 @@ from lightning_parallel.parallel.activation_checkpointing import apply_activatio
 from lightning_parallel.parallel.blocks import find_repeated_blocks
 from lightning_parallel.parallel.clip import clip_grad_norm_
 from lightning_parallel.parallel.data_parallel import apply_ddp, apply_fsdp, fsdp_modules, mixed_precision_dtype
-from lightning_parallel.parallel.dims import DP, Degree, ParallelDims
+from lightning_parallel.parallel.dims import DP, TP, Degree, ParallelDims
+from lightning_parallel.parallel.tensor_parallel import apply_tensor_parallel
+from lightning_parallel.parallel.tp_plan import TensorParallelPlan, resolve_tp_plan
 from lightning_parallel.parallel.zero import shard_optimizer_state
 from lightning_parallel.strategies import checkpoint as ckpt
 from lightning_parallel.strategies.options import as_timedelta, validate_options
@@ -92,6 +94,10 @@ class HybridParallelStrategy(ParallelStrategy):
         cpu_offload: keep sharded state on the CPU (zero_stage 2-3).
         mixed_precision: ``"bf16-mixed"`` / ``"16-mixed"`` compute with fp32 gradient reduction.
         activation_checkpointing: recompute the repeated blocks' activations in backward.
+        tp_plan: module-name glob -> style (``colwise``, ``rowwise``, ...), overriding the model's
+            declared plan and the inferred one.
+        strict_plan: a module that cannot be split by ``tensor_parallel_size`` is an error, not a warning.
+        sequence_parallel: shard norms and dropout along the sequence between tensor-parallel regions.
         hybrid_shard: HSDP, shard within ``data_parallel_size / data_parallel_replicate_size`` ranks
             and replicate across groups (``"auto"``: one group per node).
         ddp_bucket_cap_mb: DDP gradient bucket size; smaller buckets start communicating sooner.
@@ -115,6 +121,9 @@ class HybridParallelStrategy(ParallelStrategy):
         activation_checkpointing: bool = False,
         hybrid_shard: bool = False,
         data_parallel_replicate_size: Degree = "auto",
+        tp_plan: dict[str, str] | None = None,
+        strict_plan: bool = False,
+        sequence_parallel: bool = False,
         ddp_bucket_cap_mb: float = 25.0,
         find_unused_parameters: bool = False,
         save_distributed_checkpoint: bool = True,
@@ -142,6 +151,9 @@ class HybridParallelStrategy(ParallelStrategy):
             activation_checkpointing=activation_checkpointing,
             hybrid_shard=hybrid_shard,
             start_method=start_method,
+            strict_plan=strict_plan,
+            sequence_parallel=sequence_parallel,
+            tp_plan=tp_plan,
         )
         super().__init__(
             accelerator=accelerator,
@@ -156,6 +168,10 @@ class HybridParallelStrategy(ParallelStrategy):
         self.mixed_precision = mixed_precision
         self.activation_checkpointing = activation_checkpointing
         self.hybrid_shard = hybrid_shard
+        self.tp_plan = dict(tp_plan) if tp_plan else None
+        self.strict_plan = strict_plan
+        self.sequence_parallel = sequence_parallel
+        self._tp_resolved: TensorParallelPlan | None = None
         self.ddp_bucket_cap_mb = ddp_bucket_cap_mb
         self.find_unused_parameters = find_unused_parameters
         self._save_distributed_checkpoint = save_distributed_checkpoint
@@ -247,6 +263,7 @@ class HybridParallelStrategy(ParallelStrategy):
     def setup_environment(self) -> None:
         # Validate degrees against the world size before any process waits on another.
         self._dims = self.resolve_dims()
+        self._resolve_plans()
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
@@ -257,6 +274,18 @@ class HybridParallelStrategy(ParallelStrategy):
         _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
         self._dims.build_mesh(self.root_device.type)
         rank_zero_info(f"{type(self).__name__}: {self._dims.describe()}, zero_stage={self.zero_stage}")
+
+    def _resolve_plans(self) -> None:
+        """Plan the model's layout (pure inspection), so plan errors come before any collective.
+
+        A model that builds its layers in ``configure_model`` has none yet: it is planned in
+        ``setup()`` instead, symmetrically on every rank.
+        """
+        module = self.lightning_module
+        if self._tp_resolved is None and self.parallel_dims.tp > 1 and module is not None and any(
+            True for _ in module.parameters()
+        ):
+            self._tp_resolved = resolve_tp_plan(module, self.parallel_dims.tp, user_plan=self.tp_plan, strict=self.strict_plan)
 
     # ------------------------------------------------------------------ model set-up
     @override
@@ -269,7 +298,6 @@ class HybridParallelStrategy(ParallelStrategy):
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self.model = self._parallelize(module)
-        self._sync_metrics_over_data_parallel(module)
         self._install_global_norm_clipping()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -279,7 +307,9 @@ class HybridParallelStrategy(ParallelStrategy):
 
     def _layout_signature(self) -> tuple[Any, ...]:
         dims = self.parallel_dims
-        return (dims.shape, dims.ep, self.zero_stage, self.cpu_offload, self.mixed_precision, self.activation_checkpointing)
+        plan = tuple(sorted(self.tp_plan.items())) if self.tp_plan else None
+        return (dims.shape, dims.ep, self.zero_stage, self.cpu_offload, self.mixed_precision,
+                self.activation_checkpointing, plan, self.sequence_parallel)
 
     def _parallelize(self, module: pl.LightningModule) -> nn.Module:
         """Apply the layout once per module; a later setup with the same layout reuses it."""
@@ -301,15 +331,22 @@ class HybridParallelStrategy(ParallelStrategy):
         """Apply the techniques in the documented order; return what Lightning should call."""
         dims = self.parallel_dims
         blocks = find_repeated_blocks(module)
+        if dims.tp > 1:
+            self._resolve_plans()
+            assert self._tp_resolved is not None
+            rank_zero_info(f"Tensor-parallel plan ({self._tp_resolved.source}):\n{self._tp_resolved.table()}")
+            apply_tensor_parallel(module, dims.axis(TP), self._tp_resolved, sequence_parallel=self.sequence_parallel)
         if self.activation_checkpointing:
             self._checkpointed_blocks = apply_activation_checkpointing(module, blocks)
-        if self.zero_stage >= 2 and dims.dp > 1:
+        if dims.dp > 1 and (self.zero_stage >= 2 or dims.tp > 1):
+            # DTensor parameters (tensor parallel) cannot go through DDP: FSDP2 over the
+            # (replicate, shard) mesh covers replication too (shard size 1 = all-reduce only).
             root = _StepWrapper(module)
             apply_fsdp(
                 root,
                 [block for _, block in blocks],
                 dims.data_parallel_mesh(),
-                reshard_after_forward=self.zero_stage == 3,
+                reshard_after_forward=self.zero_stage == 3,  # 0 with tp: nothing is sharded anyway
                 mixed_precision=self.mixed_precision,
                 cpu_offload=self.cpu_offload,
             )
@@ -335,17 +372,6 @@ class HybridParallelStrategy(ParallelStrategy):
                 if getattr(config.scheduler, "optimizer", None) is optimizer:
                     config.scheduler.optimizer = sharded  # type: ignore[attr-defined]
             self.optimizers[idx] = sharded
-
-    def _sync_metrics_over_data_parallel(self, module: nn.Module) -> None:
-        """torchmetrics sync over the data-parallel group: tensor/pipeline peers hold copies, not new samples."""
-        if self.parallel_dims.dp == self.parallel_dims.world_size:
-            return
-        from torchmetrics import Metric
-
-        group = self.parallel_dims.axis(DP).get_group()
-        for metric in module.modules():
-            if isinstance(metric, Metric):
-                metric.process_group = group
 
     def _install_global_norm_clipping(self) -> None:
         """Route Lightning's norm clipping through the layout-aware global norm."""

@@ -32,6 +32,9 @@ def validate_options(
     activation_checkpointing: Any,
     hybrid_shard: Any,
     start_method: Any,
+    strict_plan: Any = False,
+    sequence_parallel: Any = False,
+    tp_plan: Any = None,
 ) -> None:
     """Raise a typed, explained error for the first invalid option."""
     for name, value in degrees.items():
@@ -50,6 +53,8 @@ def validate_options(
         ("cpu_offload", cpu_offload),
         ("activation_checkpointing", activation_checkpointing),
         ("hybrid_shard", hybrid_shard),
+        ("strict_plan", strict_plan),
+        ("sequence_parallel", sequence_parallel),
     ):
         check_bool(name, value)
     if cpu_offload and zero_stage < 2:
@@ -75,6 +80,22 @@ def validate_options(
             mixed_precision,
             f"it must be one of {MIXED_PRECISION_CHOICES}",
             'use mixed_precision="bf16-mixed", or None for fp32',
+        )
+    if tp_plan is not None and (
+        not hasattr(tp_plan, "items") or not all(isinstance(k, str) and isinstance(v, str) for k, v in tp_plan.items())
+    ):
+        raise config_error(
+            TypeError, "tp_plan", tp_plan, "it must map module-name globs to style names",
+            'pass e.g. tp_plan={"blocks.*.mlp.fc": "colwise", "blocks.*.mlp.proj": "rowwise"}',
+        )
+    tensor_parallel = degrees.get("tensor_parallel_size", 1) != 1
+    if zero_stage == 1 and tensor_parallel:
+        raise config_error(
+            ValueError,
+            "zero_stage",
+            f"1 with tensor_parallel_size={degrees['tensor_parallel_size']}",
+            "ZeRO-1 uses torch's ZeroRedundancyOptimizer, which does not take tensor-parallel (DTensor) parameters",
+            "use zero_stage=2 or 3 (FSDP2 shards the optimizer state too) or zero_stage=0",
         )
     if start_method not in START_METHODS:
         raise config_error(

@@ -26,6 +26,10 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
         "Hybrid sharding: shard within a group (node), replicate across groups",
         {"zero_stage": 3, "hybrid_shard": True},
     ),
+    "tp": (
+        "Tensor parallelism (Megatron-style, DTensor) with an automatic plan; all devices by default",
+        {"tensor_parallel_size": "auto"},
+    ),
 }
 
 

@@ -49,6 +49,15 @@ def classification_data(num_samples: int = 256, in_dim: int = 16, num_classes: i
     return TensorDataset(x, (x @ teacher).argmax(dim=1))
 
 
+def token_data(num_samples: int = 128, block_size: int = 16, vocab_size: int = 64, seed: int = 0) -> TensorDataset:
+    """Next-token pairs ``(x, y)`` for language-model parity runs: counting sequences mod ``vocab_size``
+    from seeded random starts, so a model learns fast and its argmax predictions are not near-ties."""
+    gen = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, vocab_size, (num_samples, 1), generator=gen)
+    stream = (starts + torch.arange(block_size + 1)) % vocab_size
+    return TensorDataset(stream[:, :-1].contiguous(), stream[:, 1:].contiguous())
+
+
 class _Recorder:
     """Callback recording per-step logged losses and the unclipped gradient norm (reference runs)."""
 

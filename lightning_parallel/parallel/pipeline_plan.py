@@ -257,9 +257,16 @@ def plan_pipeline(
         starts = _min_max_partition(weights, num_stages)
         points = [blocks[s] for s in starts[1:]]
     cuts = [order[p] for p in points]
-    if split_points is not None and cuts and cuts[0] == 0:
-        raise config_error(ValueError, "split_points", list(points), f"{points[0]!r} is the first module, which would leave stage 0 empty", "cut after at least one module")
     bounds = [0] + cuts + [len(units)]
+    for k in range(num_stages):
+        if not _listed(units[bounds[k]:bounds[k + 1]]):
+            raise config_error(
+                ValueError,
+                "split_points",
+                list(points),
+                f"stage {k} would hold no module with parameters or buffers (it would only pass tensors on)",
+                "move the split points so that every stage owns at least one layer",
+            )
     ranks = stage_to_rank(num_stages, pp_size, style)
     costs = [float(sum(params[bounds[k]:bounds[k + 1]])) for k in range(num_stages)]
     if block_costs is not None and split_points is None:

@@ -20,7 +20,13 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
+from torch import Tensor, fx
+from torch.distributed.pipelining import Pipe
 from torch.distributed.pipelining import schedules as _sched
+from torch.distributed.pipelining._IR import _modify_graph_op_device
+from torch.distributed.pipelining.stage import _PipelineStage
+from torch.utils._pytree import tree_leaves, tree_map
 
 from lightning_parallel.parallel.errors import config_error
 
@@ -122,23 +128,25 @@ def check_microbatches(spec: ScheduleSpec, pp_size: int, virtual_stages: int, mi
             f"schedule '1f1b' needs at least as many microbatches as stages ({p}); with fewer its warm-up never ends",
             f"use microbatches >= {p}, or pipeline_schedule='gpipe'",
         )
-    if spec.style == "loop" and m > p and m % p:
-        # torch splits the microbatches into rounds of pp_size; a partial round is not scheduled.
-        low, high = m - m % p, m + p - m % p
+    rounds = max(1, m // p)
+    if spec.name in ("interleaved_1f1b", "interleaved_zb") and m % rounds:
+        # torch cuts the microbatches into m // p rounds and cannot schedule a partial round.
+        ok = [c for c in range(max(1, m - 2 * p), m + 2 * p) if c % max(1, c // p) == 0]
         raise config_error(
             ValueError,
             "microbatches",
             m,
-            f"schedule {spec.name!r} runs microbatches in rounds of pipeline_parallel_size={p}, so above {p} it needs a multiple of {p}",
-            f"use microbatches={low} or {high}",
+            f"schedule {spec.name!r} runs microbatches in {rounds} equal rounds (microbatches // pipeline_parallel_size), "
+            f"so it must be a multiple of {rounds}",
+            f"use one of microbatches={ok}",
         )
-    if spec.style == "v" and m < 2 * p:
+    if spec.name == "dualpipev" and m < 2 * p:
         raise config_error(
             ValueError,
             "microbatches",
             m,
-            f"schedule {spec.name!r} (a V of {2 * p} stages on {p} ranks) needs at least {2 * p} microbatches to fill the V",
-            f"use microbatches >= {2 * p}, or pipeline_schedule='gpipe' for fewer",
+            f"schedule 'dualpipev' (a V of {2 * p} stages on {p} ranks) needs at least as many microbatches as stages ({2 * p})",
+            f"use microbatches >= {2 * p}, or pipeline_schedule='zbv'",
         )
     return m
 
@@ -178,3 +186,84 @@ def build_schedule(
         assert len(stages) == 1, len(stages)
         return spec.cls(stages[0], microbatches, loss_fn=loss_fn, scale_grads=False)
     return spec.cls(stages, microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+class _ForwardOnlyMapping(_sched.PipelineScheduleMulti):
+    """Sets the stage placement of a forward-only order (torch's validator insists on backwards)."""
+
+    _stage_ranks: list[int]
+
+    def _validate_and_set_stage_mapping(self, actions: dict[int, list[Any]]) -> None:
+        self.stage_index_to_group_rank = dict(enumerate(self._stage_ranks))
+        for stage in self._stages:
+            stage.stage_index_to_group_rank = self.stage_index_to_group_rank
+
+
+class ForwardOnlyMulti(_sched._PipelineScheduleRuntime, _ForwardOnlyMapping):
+    """Forward-only schedule for several stages per rank, in any placement (loop or V).
+
+    torch's multi-stage schedules run their backward actions even without a loss function, so
+    they cannot evaluate. Here each rank runs its stages in model order, all microbatches of a
+    stage before the next: every forward waits only on an earlier stage, so no rank waits in a
+    cycle, whatever the placement. torch lowers this order to sends and receives as usual.
+    """
+
+    def __init__(self, stages: list[Any], microbatches: int, stage_ranks: list[int]) -> None:
+        self._stage_ranks = list(stage_ranks)
+        super().__init__(stages=stages, n_microbatches=microbatches, loss_fn=None, scale_grads=False)
+        order: dict[int, list[Any]] = {r: [] for r in range(self.pp_group_size)}
+        for stage, rank in enumerate(stage_ranks):
+            order[rank].extend(_sched._Action(stage, _sched._ComputationType.FORWARD, mb) for mb in range(microbatches))
+        self.pipeline_order = order
+        self._prepare_schedule_with_comms(order)
+
+
+def build_eval_schedule(spec: ScheduleSpec, stages: list[Any], microbatches: int, stage_ranks: list[int]) -> Any:
+    """A forward-only schedule over the same stages placement as ``spec``'s training schedule."""
+    if spec.style == "single":
+        assert len(stages) == 1, len(stages)
+        return _sched.ScheduleGPipe(stages[0], microbatches, loss_fn=None, scale_grads=False)
+    return ForwardOnlyMulti(stages, microbatches, stage_ranks)
+
+
+def microbatch_example(args: tuple[Any, ...], kwargs: dict[str, Any], microbatches: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The first microbatch of a batch: every tensor sliced along dim 0 (what the schedule feeds a stage)."""
+    size = batch_size_of(args, kwargs)
+    check_batch_size(size, microbatches)
+    rows = size // microbatches
+    cut = tree_map(lambda t: t[:rows] if isinstance(t, Tensor) else t, (tuple(args), dict(kwargs)))
+    return cut[0], cut[1]
+
+
+def first_batched(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor:
+    for leaf in tree_leaves((args, kwargs)):
+        if isinstance(leaf, Tensor) and leaf.dim() > 0:
+            return leaf
+    raise config_error(TypeError, "batch", type(args).__name__, "the forward inputs contain no batched tensor to cut into microbatches", "pass tensors whose dim 0 is the batch")
+
+
+def batch_size_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    """Rows of the batch: dim 0 of the first batched tensor among the forward inputs."""
+    return int(first_batched(args, kwargs).shape[0])
+
+
+class TracedStage(_PipelineStage):
+    """A traced stage whose start-up handshake skips neighbours on its own rank.
+
+    torch's handshake for traced stages sends a dummy tensor to the previous and next stage;
+    in a V schedule two adjacent stages share a rank and gloo cannot send to itself, so the
+    first step crashes. Local neighbours exchange tensors in memory and need no handshake.
+    """
+
+    def _get_init_p2p_neighbors_ops(self) -> list[dist.P2POp]:
+        me = self.group_rank
+        ops = super()._get_init_p2p_neighbors_ops()
+        return [op for op in ops if op.group_peer != me]
+
+
+def build_stage(pipe: Pipe, index: int, device: torch.device, group: dist.ProcessGroup) -> _PipelineStage:
+    """``Pipe.build_stage`` with :class:`TracedStage` (same steps: device fix-up, then the stage)."""
+    stage_module = pipe.get_stage_module(index)
+    if isinstance(stage_module, fx.GraphModule):
+        _modify_graph_op_device(stage_module, device)
+    return TracedStage(stage_module, index, pipe.info(), device, group)

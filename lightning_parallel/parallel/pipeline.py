@@ -1,0 +1,445 @@
+"""Pipeline parallelism for an unchanged ``nn.Module``: trace, cut, build this rank's stages.
+
+The model's own ``forward`` is traced by ``torch.distributed.pipelining``'s tracer frontend
+(``torch.export`` + ``pipe_split`` markers at the plan's split points), so no model code
+changes and parameter names (FQNs) stay the original ones. Facts this file relies on:
+
+* The traced graph fixes the microbatch shape and the train/eval mode, so a training pipe and
+  a forward-only evaluation pipe are traced separately, and batches must keep one size.
+* The stage modules are meant to share the ``Parameter`` objects of the original module, so an
+  optimizer built from ``module.parameters()`` (``configure_optimizers`` as written) steps the
+  stages. ``torch.export`` breaks this for tied weights (it hands the stages copies), so every
+  stage tensor is re-pointed at the original object by its FQN.
+* Marking a split point patches a submodule's ``forward``; the patch is undone after tracing,
+  else a second trace of the same module recurses.
+* Gradients accumulate in ``.grad`` and are never rescaled after the fact: the loss of each
+  microbatch is divided by the microbatch count instead, so gradients survive across steps
+  (gradient accumulation) and a parameter held by two local stages is not divided twice.
+* A parameter used on stages of two ranks (tied embedding and head) gets each rank's share
+  of the gradient; :meth:`PipelineRuntime.train_step` sums the new shares over the pipeline
+  group, so every holder ends the step with the full gradient.
+
+Errors about the model or the config are raised while tracing and building, identically on
+every rank, before any process sends or receives.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, fx, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import Pipe, pipe_split, pipeline
+from torch.distributed.pipelining.stage import _PipelineStage
+from torch.utils._pytree import tree_leaves
+
+from lightning_parallel.parallel.clip import total_norm
+from lightning_parallel.parallel.errors import config_error
+from lightning_parallel.parallel.pipeline_plan import PipelinePlan, _compact
+from lightning_parallel.parallel.pipeline_schedules import (
+    ScheduleSpec,
+    batch_size_of,
+    build_eval_schedule,
+    build_schedule,
+    build_stage,
+    check_batch_size,
+    check_microbatches,
+    first_batched,
+    microbatch_example,
+)
+
+LossFn = Callable[[Any, Any], Tensor]
+
+
+@contextmanager
+def _split_markers(module: nn.Module, names: Sequence[str]) -> Iterator[None]:
+    """Make each named submodule call ``pipe_split()`` first; restore its ``forward`` on exit."""
+    patched: list[tuple[nn.Module, Any]] = []
+    try:
+        for name in names:
+            sub = module.get_submodule(name)
+            previous = sub.__dict__.get("forward")
+            inner = sub.forward
+
+            def forward(*args: Any, __inner: Any = inner, **kwargs: Any) -> Any:
+                pipe_split()
+                return __inner(*args, **kwargs)
+
+            sub.forward = forward  # type: ignore[method-assign]
+            patched.append((sub, previous))
+        yield
+    finally:
+        for sub, previous in reversed(patched):
+            if previous is None:
+                del sub.forward
+            else:
+                sub.forward = previous  # type: ignore[method-assign]
+
+
+def _root_cause(error: BaseException) -> str:
+    while error.__cause__ is not None:
+        error = error.__cause__
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"[:300]
+
+
+def trace_pipe(module: nn.Module, mb_args: tuple[Any, ...], mb_kwargs: dict[str, Any], plan: PipelinePlan, training: bool) -> Pipe:
+    """Trace ``module.forward`` on one microbatch in train or eval mode and cut it by ``plan``."""
+    modes = {m: m.training for m in module.modules()}
+    try:
+        module.train(training)
+        with _split_markers(module, plan.split_points):
+            pipe = pipeline(module, mb_args, mb_kwargs)
+    except Exception as error:  # export raises many types; all mean "cannot split this forward"
+        raise config_error(
+            ValueError,
+            "module.forward",
+            type(module).__name__,
+            f"it cannot be captured as one graph to cut into stages ({_root_cause(error)}); "
+            "data-dependent control flow (an `if` on a tensor's value) or a graph break is the usual reason",
+            "make the branch depend on shapes or config only (or use torch.cond), or use a strategy without pipeline parallelism",
+        ) from error
+    finally:
+        for m, mode in modes.items():
+            m.training = mode
+    if pipe.num_stages != plan.num_stages:
+        raise config_error(
+            ValueError,
+            "split_points",
+            list(plan.split_points),
+            f"the traced forward has {pipe.num_stages} stages instead of {plan.num_stages}: "
+            "each split point must be called exactly once per forward",
+            "choose modules that forward calls once each, in order (not a module it skips or reuses)",
+        )
+    _check_stage_graph(pipe, plan)
+    return pipe
+
+
+def _source(node: fx.Node) -> fx.Node:
+    while node.op == "call_function" and node.target is operator.getitem:
+        node = node.args[0]  # type: ignore[assignment]
+    return node
+
+
+def _check_stage_graph(pipe: Pipe, plan: PipelinePlan) -> None:
+    """Stage k may read only stage k-1's outputs (stage 0: the batch); the model output is the last stage's."""
+    graph = pipe.split_gm.graph
+    calls = [n for n in graph.nodes if n.op == "call_module"]
+    index = {n.name: i for i, n in enumerate(calls)}
+
+    def where(k: int) -> str:
+        return f"stage {k} ({_compact(plan.stages[k].modules)})"
+
+    for k, node in enumerate(calls):
+        for arg in tree_leaves((node.args, node.kwargs)):
+            if not isinstance(arg, fx.Node):
+                continue
+            src = _source(arg)
+            if src.op == "placeholder" and k > 0:
+                raise config_error(
+                    ValueError,
+                    "split_points",
+                    list(plan.split_points),
+                    f"forward input `{src.name}` is used by {where(k)}, but only stage 0 receives the batch",
+                    "use that input before the first cut only, or move the cuts after its last use",
+                )
+            if src.op == "call_module" and index[src.name] != k - 1:
+                raise config_error(
+                    ValueError,
+                    "split_points",
+                    list(plan.split_points),
+                    f"a tensor computed on {where(index[src.name])} is used on {where(k)}, skipping the stages between: "
+                    "only the inputs of a cut may cross it",
+                    "pass such tensors through every block (as block inputs/outputs), compute them inside the blocks, or cut elsewhere",
+                )
+    output = next(n for n in graph.nodes if n.op == "output")
+    for arg in tree_leaves(output.args):
+        if isinstance(arg, fx.Node) and _source(arg) is not calls[-1]:
+            raise config_error(
+                ValueError,
+                "module.forward",
+                list(plan.split_points),
+                f"forward returns a value computed before the last stage ({_source(arg).name}); only the last stage's result leaves the pipeline",
+                "return only values computed from the last block onward",
+            )
+
+
+def _adopt_original_tensors(stage_module: nn.Module, module: nn.Module) -> None:
+    """Point the stage's parameters and buffers at the original objects with the same FQN."""
+    params = dict(module.named_parameters(remove_duplicate=False))
+    buffers = dict(module.named_buffers(remove_duplicate=False))
+    for table, kind in ((params, "_parameters"), (buffers, "_buffers")):
+        for name, tensor in list(getattr(stage_module, f"named{kind}")(remove_duplicate=False)):
+            original = table.get(name)
+            if original is not None and tensor is not original:
+                parent_name, _, leaf = name.rpartition(".")
+                parent = stage_module.get_submodule(parent_name)
+                getattr(parent, kind)[leaf] = original
+
+
+def _pp_group(group: dist.ProcessGroup | DeviceMesh | None) -> dist.ProcessGroup:
+    if isinstance(group, DeviceMesh):
+        if group.ndim != 1:
+            raise config_error(ValueError, "group", group, "the pipeline runs on a 1D mesh", "pass ParallelDims.axis(PP)")
+        return group.get_group()
+    return group if group is not None else dist.group.WORLD  # type: ignore[return-value]
+
+
+class PipelineRuntime:
+    """This rank's stages and schedules; the one object a strategy talks to.
+
+    Every rank of the pipeline group calls the same methods with the same (full) batch: the
+    runtime validates it everywhere, then feeds it to the first stage and the target to the
+    last. ``target`` defaults to the row indices ``arange(B)``, so a ``loss_fn(output, rows)``
+    can look the rest of the batch up itself (how a LightningModule's ``training_step`` serves
+    as the loss).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        plan: PipelinePlan,
+        spec: ScheduleSpec,
+        group: dist.ProcessGroup,
+        microbatches: int,
+        microbatch_size: int,
+        train_stages: list[Any],
+        eval_stages: list[Any] | None,
+        loss_fn: LossFn,
+        loss_reduction: Literal["mean", "sum"],
+        holders: dict[str, set[int]],
+    ) -> None:
+        self.module, self.plan, self.spec, self.group = module, plan, spec, group
+        self.microbatches, self.microbatch_size = microbatches, microbatch_size
+        self.pp_rank = dist.get_rank(group)
+        self.stage_indices = plan.stages_for_rank(self.pp_rank)
+        self.holds_first = 0 in self.stage_indices
+        self.holds_last = plan.num_stages - 1 in self.stage_indices
+        self._last_rank = dist.get_global_rank(group, plan.stages[-1].rank)
+        self._loss_fn, self._reduction = loss_fn, loss_reduction
+        self._mb_losses: list[Tensor] = []
+        self._train = build_schedule(spec, train_stages, microbatches, self._scaled_loss)
+        self._eval = build_eval_schedule(spec, eval_stages, microbatches, [s.rank for s in plan.stages]) if eval_stages else None
+        self._holders = holders  # canonical FQN -> pipeline ranks whose stages use it
+        params = dict(module.named_parameters())
+        self._owned = {n for n, ranks in holders.items() if self.pp_rank in ranks}
+        self._shared = sorted(n for n, ranks in holders.items() if len(ranks) > 1)
+        self._shared_meta = {n: (params[n].shape, params[n].dtype, params[n].device) for n in self._shared}
+        self.last_losses: list[Tensor] = []
+        self.released: dict[str, torch.Size] = {}
+
+    @property
+    def stages(self) -> list[_PipelineStage]:
+        """This rank's training stages (``.submod`` is the stage module; for wrapping or profiling)."""
+        return list(self._train._stages) if hasattr(self._train, "_stages") else [self._train._stage]
+
+    # ownership -------------------------------------------------------------------------------
+    def owned_parameter_names(self) -> set[str]:
+        """Canonical FQNs (as ``module.named_parameters()`` spells them) this rank's stages use."""
+        return set(self._owned)
+
+    def owners(self) -> dict[str, set[int]]:
+        """Canonical FQN -> pipeline ranks holding it; a checkpoint gathers each from its owner."""
+        return {n: set(r) for n, r in self._holders.items()}
+
+    def owned_parameters(self) -> list[nn.Parameter]:
+        """The parameters to optimise on this rank (the others never receive a gradient here)."""
+        return [p for n, p in self.module.named_parameters() if n in self._owned]
+
+    def release_non_owned(self) -> dict[str, torch.Size]:
+        """Free the memory of parameters and buffers no local stage uses; return their names and shapes.
+
+        The tensors stay the same objects under the same FQNs (an optimizer built before or
+        after still works: their ``.grad`` stays ``None``, so optimizers skip them), but their
+        data becomes an empty tensor on the same device, so moving the module between devices
+        stays legal. Their values now live only on their owners: gather from :meth:`owners`
+        before saving a full checkpoint.
+        """
+        used = {id(t) for s in self._stage_modules() for t in (*s.parameters(), *s.buffers())}
+        kept = {t.untyped_storage().data_ptr() for s in self._stage_modules() for t in (*s.parameters(), *s.buffers())}
+        released: dict[str, torch.Size] = {}
+        with torch.no_grad():
+            for name, tensor in (*self.module.named_parameters(), *self.module.named_buffers()):
+                if id(tensor) in used or tensor.numel() == 0 or tensor.untyped_storage().data_ptr() in kept:
+                    continue  # in use here, already released, or a view of a tensor in use
+                released[name] = tensor.shape
+                tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+        self.released.update(released)
+        return released
+
+    def _stage_modules(self) -> list[nn.Module]:
+        stages = list(self._train._stages if hasattr(self._train, "_stages") else [self._train._stage])
+        if self._eval is not None:
+            stages += list(self._eval._stages if hasattr(self._eval, "_stages") else [self._eval._stage])
+        return [s.submod for s in stages]
+
+    # steps ---------------------------------------------------------------------------------------
+    def _scaled_loss(self, output: Any, target: Any) -> Tensor:
+        loss = self._loss_fn(output, target)
+        if not isinstance(loss, Tensor) or loss.numel() != 1:
+            raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__} {getattr(loss, 'shape', '')}")
+        self._mb_losses.append(loss.detach())
+        return loss / self.microbatches if self._reduction == "mean" else loss
+
+    def _inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
+        first = first_batched(args, kwargs)
+        check_batch_size(int(first.shape[0]), self.microbatches, self.microbatch_size)
+        if target is None:
+            target = torch.arange(first.shape[0], device=first.device)
+        if not self.holds_first:
+            args, kwargs = (), {}
+        return args, kwargs, target if self.holds_last else None
+
+    def train_step(self, *args: Any, target: Any = None, **kwargs: Any) -> Tensor:
+        """Forward and backward of one batch through the pipeline; returns the full-batch loss on every rank.
+
+        Gradients are added to ``.grad`` (nothing is zeroed), as one ``loss.backward()`` would.
+        """
+        args, kwargs, target = self._inputs(args, kwargs, target)
+        params = dict(self.module.named_parameters())
+        before = {n: (None if params[n].grad is None else params[n].grad.clone()) for n in self._shared if n in self._owned}
+        self._mb_losses = []
+        self._train.step(*args, target=target, return_outputs=False, **kwargs)
+        self._sum_shared_grads(params, before)
+        self.last_losses = list(self._mb_losses)
+        loss = torch.zeros((), dtype=torch.float32)
+        if self.holds_last:
+            stacked = torch.stack([l.float().cpu() for l in self._mb_losses])
+            loss = stacked.mean() if self._reduction == "mean" else stacked.sum()
+        dist.broadcast(loss, src=self._last_rank, group=self.group)
+        return loss
+
+    def _sum_shared_grads(self, params: dict[str, nn.Parameter], before: dict[str, Tensor | None]) -> None:
+        for name in self._shared:
+            shape, dtype, device = self._shared_meta[name]
+            delta = torch.zeros(shape, dtype=dtype, device=device)
+            if name in before and params[name].grad is not None:
+                delta = params[name].grad - before[name] if before[name] is not None else params[name].grad.clone()
+            dist.all_reduce(delta, group=self.group)
+            if name in before:
+                params[name].grad = delta if before[name] is None else before[name] + delta
+
+    @torch.no_grad()
+    def eval_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Forward only (eval-mode trace); the merged full-batch output on the last stage's rank, else None."""
+        if self._eval is None:
+            raise RuntimeError("This pipeline was built without an evaluation pipe (build_eval=False).")
+        args, kwargs, _ = self._inputs(args, kwargs, None)
+        return self._eval.step(*args, **kwargs)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
+        """Clip by the norm of all gradients of the whole model, computed across the stages.
+
+        A parameter on two ranks' stages counts once (on the lowest rank holding it).
+        """
+        params = dict(self.module.named_parameters())
+        counted = [params[n] for n in self._owned if min(self._holders[n]) == self.pp_rank]
+        norm = total_norm(counted, norm_type, extra_groups=(self.group,))
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for name in self._owned:
+            if params[name].grad is not None:
+                params[name].grad.mul_(coef.to(params[name].grad.device))
+        return norm
+
+    def describe(self) -> str:
+        """The plan's table plus what this rank actually holds."""
+        return f"{self.plan.table()}\nrank {self.pp_rank}: stages {self.stage_indices}, {len(self._owned)} parameters owned"
+
+
+@dataclass(frozen=True)
+class TracedPipeline:
+    """The traced, cut model: one pipe per mode, their stage modules sharing the module's tensors.
+
+    Tracing is the slow part (``torch.export``); several runtimes (schedules) may be built
+    from one trace, as long as their plans cut at the same split points.
+    """
+
+    plan: PipelinePlan
+    microbatch_size: int
+    train: Pipe
+    eval: Pipe | None
+    holders_by_stage: tuple[frozenset[str], ...]
+
+
+def trace_pipeline(
+    module: nn.Module,
+    example_args: tuple[Any, ...],
+    example_kwargs: dict[str, Any] | None = None,
+    *,
+    plan: PipelinePlan,
+    microbatches: int,
+    build_eval: bool = True,
+) -> TracedPipeline:
+    """Trace ``module`` on one microbatch of the full-batch example and cut it by ``plan`` (no process group needed)."""
+    mb_args, mb_kwargs = microbatch_example(tuple(example_args), dict(example_kwargs or {}), microbatches)
+    train = trace_pipe(module, mb_args, mb_kwargs, plan, training=True)
+    evaluation = trace_pipe(module, mb_args, mb_kwargs, plan, training=False) if build_eval else None
+    canonical = {id(p): n for n, p in module.named_parameters()}
+    holders = []
+    for pipe in (train, evaluation):
+        for k in range(plan.num_stages if pipe is not None else 0):
+            stage_module = pipe.get_stage_module(k)
+            _adopt_original_tensors(stage_module, module)
+            if pipe is train:
+                holders.append(frozenset(canonical[id(p)] for p in stage_module.parameters()))
+    return TracedPipeline(plan, batch_size_of(mb_args, mb_kwargs), train, evaluation, tuple(holders))
+
+
+def build_pipeline(
+    module: nn.Module,
+    example_args: tuple[Any, ...] | None = None,
+    example_kwargs: dict[str, Any] | None = None,
+    *,
+    plan: PipelinePlan,
+    schedule: ScheduleSpec,
+    microbatches: int,
+    loss_fn: LossFn,
+    group: dist.ProcessGroup | DeviceMesh | None = None,
+    device: torch.device | str | None = None,
+    loss_reduction: Literal["mean", "sum"] = "mean",
+    build_eval: bool = True,
+    traced: TracedPipeline | None = None,
+) -> PipelineRuntime:
+    """Build this rank's stages and schedules for ``module`` (traced here unless ``traced`` is given).
+
+    ``example_args``/``example_kwargs`` are one full batch of forward inputs (every later batch
+    must have the same shapes). ``loss_fn(output, target)`` runs on the last stage per
+    microbatch, ``output`` being what the model's forward returns for that microbatch.
+    Collective-free until the schedules first run, and every check happens before that.
+    """
+    pg = _pp_group(group)
+    if dist.get_world_size(pg) != plan.pp_size:
+        raise config_error(ValueError, "pipeline_parallel_size", plan.pp_size, f"the pipeline group has {dist.get_world_size(pg)} ranks", "plan with the pipeline group's size")
+    if loss_reduction not in ("mean", "sum"):
+        raise config_error(ValueError, "loss_reduction", loss_reduction, 'it is "mean" or "sum"', 'use "mean" for a loss averaged over the batch')
+    check_microbatches(schedule, plan.pp_size, plan.virtual_stages, microbatches)
+    if plan.style != schedule.style or (schedule.style == "single") != (plan.virtual_stages == 1):
+        raise config_error(
+            ValueError, "virtual_stages", plan.virtual_stages, f"a {plan.style} plan does not fit schedule {schedule.name!r} ({schedule.style})", "plan with style=schedule.style and its virtual stages"
+        )
+    if traced is None:
+        if example_args is None:
+            raise config_error(TypeError, "example_args", None, "tracing needs one example batch of forward inputs", "pass example_args (or a TracedPipeline as traced=)")
+        traced = trace_pipeline(module, example_args, example_kwargs, plan=plan, microbatches=microbatches, build_eval=build_eval)
+    elif traced.plan.split_points != plan.split_points:
+        raise config_error(ValueError, "traced", list(traced.plan.split_points), f"it was cut at other split points than the plan ({list(plan.split_points)})", "trace with this plan")
+    if build_eval and traced.eval is None:
+        raise config_error(ValueError, "build_eval", True, "the given trace has no evaluation pipe", "trace with build_eval=True")
+    dev = torch.device(device) if device is not None else next(module.parameters()).device
+    local = plan.stages_for_rank(dist.get_rank(pg))
+    holders: dict[str, set[int]] = {}
+    for k, names in enumerate(traced.holders_by_stage):
+        for name in names:
+            holders.setdefault(name, set()).add(plan.stages[k].rank)
+    train_stages = [build_stage(traced.train, k, dev, pg) for k in local]
+    eval_stages = [build_stage(traced.eval, k, dev, pg) for k in local] if build_eval and traced.eval is not None else None
+    return PipelineRuntime(
+        module, plan, schedule, pg, microbatches, traced.microbatch_size, train_stages, eval_stages, loss_fn, loss_reduction, holders
+    )

@@ -63,7 +63,7 @@ from lightning_parallel.strategies.options import as_timedelta, validate_options
 
 # A module is parallelised in place once (fully_shard and checkpoint hooks cannot be applied
 # twice); fit then test on one Trainer, or a second Trainer with the same layout, reuse it.
-_PARALLELIZED: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[Any, ...], nn.Module]] = weakref.WeakKeyDictionary()
+_PARALLELIZED: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[Any, ...], nn.Module, Any]] = weakref.WeakKeyDictionary()
 
 
 class _StepWrapper(nn.Module):
@@ -98,6 +98,12 @@ class HybridParallelStrategy(ParallelStrategy):
             declared plan and the inferred one.
         strict_plan: a module that cannot be split by ``tensor_parallel_size`` is an error, not a warning.
         sequence_parallel: shard norms and dropout along the sequence between tensor-parallel regions.
+        pipeline_schedule: ``gpipe``, ``1f1b``, ``interleaved_1f1b``, ``looped_bfs``, ``interleaved_zb``,
+            ``zbv`` or ``dualpipev``.
+        microbatches: microbatches per batch (``"auto"``: the number of stages, at least 2).
+        virtual_stages: stages per rank for interleaved and V schedules (``"auto"``: what the schedule needs).
+        split_points: module names that start a new pipeline stage (overrides the automatic cut).
+        moe_aux_loss_coef, moe_z_loss_coef: override the MoE layers' loss coefficients (0 disables).
         hybrid_shard: HSDP, shard within ``data_parallel_size / data_parallel_replicate_size`` ranks
             and replicate across groups (``"auto"``: one group per node).
         ddp_bucket_cap_mb: DDP gradient bucket size; smaller buckets start communicating sooner.
@@ -124,6 +130,12 @@ class HybridParallelStrategy(ParallelStrategy):
         tp_plan: dict[str, str] | None = None,
         strict_plan: bool = False,
         sequence_parallel: bool = False,
+        pipeline_schedule: str = "1f1b",
+        microbatches: int | Literal["auto"] = "auto",
+        virtual_stages: int | Literal["auto"] = "auto",
+        split_points: list[str] | None = None,
+        moe_aux_loss_coef: float | None = None,
+        moe_z_loss_coef: float | None = None,
         ddp_bucket_cap_mb: float = 25.0,
         find_unused_parameters: bool = False,
         save_distributed_checkpoint: bool = True,
@@ -172,6 +184,14 @@ class HybridParallelStrategy(ParallelStrategy):
         self.strict_plan = strict_plan
         self.sequence_parallel = sequence_parallel
         self._tp_resolved: TensorParallelPlan | None = None
+        self.pipeline_schedule = pipeline_schedule
+        self.microbatches = microbatches
+        self.virtual_stages = virtual_stages
+        self.split_points = list(split_points) if split_points else None
+        self.moe_aux_loss_coef = moe_aux_loss_coef
+        self.moe_z_loss_coef = moe_z_loss_coef
+        # Takes over the steps when the model is split into pipeline stages (see pipeline_driver.py).
+        self._pipeline: Any | None = None
         self.ddp_bucket_cap_mb = ddp_bucket_cap_mb
         self.find_unused_parameters = find_unused_parameters
         self._save_distributed_checkpoint = save_distributed_checkpoint
@@ -308,14 +328,15 @@ class HybridParallelStrategy(ParallelStrategy):
     def _layout_signature(self) -> tuple[Any, ...]:
         dims = self.parallel_dims
         plan = tuple(sorted(self.tp_plan.items())) if self.tp_plan else None
+        pipeline = (self.pipeline_schedule, self.microbatches, self.virtual_stages, tuple(self.split_points or ()))
         return (dims.shape, dims.ep, self.zero_stage, self.cpu_offload, self.mixed_precision,
-                self.activation_checkpointing, plan, self.sequence_parallel)
+                self.activation_checkpointing, plan, self.sequence_parallel, pipeline)
 
     def _parallelize(self, module: pl.LightningModule) -> nn.Module:
         """Apply the layout once per module; a later setup with the same layout reuses it."""
         signature = self._layout_signature()
         if module in _PARALLELIZED:
-            previous, root = _PARALLELIZED[module]
+            previous, root, self._pipeline = _PARALLELIZED[module]
             if previous != signature:
                 raise RuntimeError(
                     f"This {type(module).__name__} was already parallelised with layout {previous}; it cannot be"
@@ -324,12 +345,18 @@ class HybridParallelStrategy(ParallelStrategy):
                 )
             return root
         root = self._apply_layout(module)
-        _PARALLELIZED[module] = (signature, root)
+        _PARALLELIZED[module] = (signature, root, self._pipeline)
         return root
 
     def _apply_layout(self, module: pl.LightningModule) -> nn.Module:
         """Apply the techniques in the documented order; return what Lightning should call."""
         dims = self.parallel_dims
+        if dims.pp > 1:
+            from lightning_parallel.strategies.pipeline_driver import PipelineDriver
+
+            # Stages are traced from the first real batch (the traced graph fixes its shape).
+            self._pipeline = PipelineDriver(self, module)
+            return module
         blocks = find_repeated_blocks(module)
         if dims.tp > 1:
             self._resolve_plans()
@@ -378,6 +405,9 @@ class HybridParallelStrategy(ParallelStrategy):
         plugin = self.precision_plugin
 
         def clip_grad_by_norm(optimizer: Optimizer, clip_val: int | float) -> None:
+            if self._pipeline is not None:  # the norm spans every stage's parameters
+                self._pipeline.clip_grad_norm_(float(clip_val))
+                return
             params = [p for group in optimizer.param_groups for p in group["params"]]
             clip_grad_norm_(params, float(clip_val))
 
@@ -398,21 +428,43 @@ class HybridParallelStrategy(ParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is not None:
+            return self._pipeline.training_step(*args, **kwargs)
         with self._autocast():
-            return super().training_step(*args, **kwargs)
+            output = super().training_step(*args, **kwargs)
+        return self._add_moe_losses(output)
+
+    def _add_moe_losses(self, output: Any) -> Any:
+        """MoE auxiliary losses join the loss Lightning backpropagates; ``training_step`` stays unchanged."""
+        return output
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        if self._pipeline is not None:
+            # The schedule already ran backward inside training_step; Lightning's closure zeroed the
+            # gradients since (zero_grad runs between step and backward): put them back.
+            self._pipeline.backward()
+            return closure_loss
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is not None:
+            return self._pipeline.eval_step("validation_step", *args, **kwargs)
         with self._autocast():
             return super().validation_step(*args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is not None:
+            return self._pipeline.eval_step("test_step", *args, **kwargs)
         with self._autocast():
             return super().test_step(*args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is not None:
+            return self._pipeline.eval_step("predict_step", *args, **kwargs)
         with self._autocast():
             return super().predict_step(*args, **kwargs)
 

@@ -126,3 +126,18 @@ def test_find_repeated_blocks() -> None:
     seq = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
     assert [n for n, _ in find_repeated_blocks(seq)] == ["0", "2", "4"]
     assert find_repeated_blocks(nn.Linear(3, 3)) == []
+
+
+def test_expert_parallel_errors_before_any_collective() -> None:
+    import torch.distributed as dist
+
+    from lightning_parallel.models import MoEGPT
+
+    with pytest.raises(ValueError, match=r"`zero_stage`='1 with expert_parallel_size=2'"):
+        HybridParallelStrategy(zero_stage=1, expert_parallel_size=2)
+    for model, match in ((TinyNet(), r"(?i)no (MoE|expert)"), (MoEGPT(num_experts=3, top_k=1), r"(?i)num_experts.*3")):
+        trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ep", logger=False)
+        trainer.strategy.connect(model)
+        with pytest.raises(ValueError, match=match):
+            trainer.strategy.setup_environment()
+        assert not dist.is_initialized()

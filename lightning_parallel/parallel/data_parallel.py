@@ -77,16 +77,20 @@ def apply_fsdp(
     reshard_after_forward: bool = True,
     mixed_precision: str | None = None,
     cpu_offload: bool = False,
+    own_meshes: Sequence[tuple[nn.Module, DeviceMesh]] = (),
 ) -> FSDPModule:
     """Shard ``blocks`` one FSDP2 unit each, then ``root`` (which takes the remaining params).
 
     ``dp_mesh`` is 1D (FSDP) or 2D ``(replicate, shard)`` (HSDP). Parameter names do not change.
     Gradients are reduced in fp32 even under mixed precision, so parity with fp32 single-process
-    training holds when ``mixed_precision`` is None.
+    training holds when ``mixed_precision`` is None. ``own_meshes`` are modules sharded first on
+    a mesh of their own: experts, whose gradients are averaged over the ``edp`` ranks only.
     """
     dtype = mixed_precision_dtype(mixed_precision)
     mp_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
     offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
+    for module, mesh in own_meshes:
+        fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy, offload_policy=offload)
     for block in blocks:
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy, offload_policy=offload)
     # The root's params are used first in forward and last in backward: never reshard them early.

@@ -118,7 +118,8 @@ class ParallelDims:
                     f"the product must equal the world size {world_size}",
                     'set data_parallel_size="auto" to use the remaining processes, or change devices/num_nodes',
                 )
-        ep = 1 if expert_parallel_size == "auto" else expert_parallel_size
+        # "auto" expert parallelism spreads the experts over every data-parallel rank.
+        ep = dp if expert_parallel_size == "auto" else expert_parallel_size
         if dp % ep:
             raise config_error(
                 ValueError,

@@ -53,7 +53,16 @@ from lightning_parallel.parallel.activation_checkpointing import apply_activatio
 from lightning_parallel.parallel.blocks import find_repeated_blocks
 from lightning_parallel.parallel.clip import clip_grad_norm_
 from lightning_parallel.parallel.data_parallel import apply_ddp, apply_fsdp, fsdp_modules, mixed_precision_dtype
-from lightning_parallel.parallel.dims import DP, TP, Degree, ParallelDims
+from lightning_parallel.nn.moe import (
+    MoE,
+    clear_moe_stats,
+    collect_moe_losses,
+    collect_moe_stats,
+    set_moe_loss_coefs,
+    set_moe_stats_group,
+)
+from lightning_parallel.parallel.dims import DP, EDP, EP, TP, Degree, ParallelDims
+from lightning_parallel.parallel.expert_parallel import apply_expert_parallel, find_expert_modules, validate_expert_parallel
 from lightning_parallel.parallel.tensor_parallel import apply_tensor_parallel
 from lightning_parallel.parallel.tp_plan import TensorParallelPlan, resolve_tp_plan
 from lightning_parallel.parallel.zero import shard_optimizer_state
@@ -192,6 +201,7 @@ class HybridParallelStrategy(ParallelStrategy):
         self.moe_z_loss_coef = moe_z_loss_coef
         # Takes over the steps when the model is split into pipeline stages (see pipeline_driver.py).
         self._pipeline: Any | None = None
+        self._expert_params: list[nn.Parameter] = []
         self.ddp_bucket_cap_mb = ddp_bucket_cap_mb
         self.find_unused_parameters = find_unused_parameters
         self._save_distributed_checkpoint = save_distributed_checkpoint
@@ -302,6 +312,8 @@ class HybridParallelStrategy(ParallelStrategy):
         ``setup()`` instead, symmetrically on every rank.
         """
         module = self.lightning_module
+        if self.parallel_dims.ep > 1 and module is not None and any(True for _ in module.parameters()):
+            validate_expert_parallel(module, self.parallel_dims.ep)  # no MoE layer, E % ep: before any collective
         if self._tp_resolved is None and self.parallel_dims.tp > 1 and module is not None and any(
             True for _ in module.parameters()
         ):
@@ -363,6 +375,7 @@ class HybridParallelStrategy(ParallelStrategy):
             assert self._tp_resolved is not None
             rank_zero_info(f"Tensor-parallel plan ({self._tp_resolved.source}):\n{self._tp_resolved.table()}")
             apply_tensor_parallel(module, dims.axis(TP), self._tp_resolved, sequence_parallel=self.sequence_parallel)
+        experts = self._apply_expert_parallel(module)
         if self.activation_checkpointing:
             self._checkpointed_blocks = apply_activation_checkpointing(module, blocks)
         if dims.dp > 1 and (self.zero_stage >= 2 or dims.tp > 1):
@@ -376,9 +389,13 @@ class HybridParallelStrategy(ParallelStrategy):
                 reshard_after_forward=self.zero_stage == 3,  # 0 with tp: nothing is sharded anyway
                 mixed_precision=self.mixed_precision,
                 cpu_offload=self.cpu_offload,
+                own_meshes=[(m, dims.axis(EDP)) for m in experts.values()],
             )
             return root
         if dims.dp > 1:
+            if self._expert_params:  # averaged over edp by _reduce_expert_grads, not by DDP over dp
+                names = [n for n, p in module.named_parameters() if any(p is q for q in self._expert_params)]
+                DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names)
             return apply_ddp(
                 module,
                 dims.axis(DP),
@@ -386,6 +403,32 @@ class HybridParallelStrategy(ParallelStrategy):
                 find_unused_parameters=self.find_unused_parameters,
             )
         return module
+
+    def _apply_expert_parallel(self, module: nn.Module) -> dict[str, nn.Module]:
+        """Shard experts over ``ep``; MoE balance losses use global-batch statistics over ``dp``."""
+        dims = self.parallel_dims
+        if self.moe_aux_loss_coef is not None or self.moe_z_loss_coef is not None:
+            set_moe_loss_coefs(module, aux=self.moe_aux_loss_coef, z=self.moe_z_loss_coef)
+        if dims.ep == 1:
+            if dims.dp > 1 and any(isinstance(m, MoE) for m in module.modules()):
+                set_moe_stats_group(module, dims.axis(DP).get_group())
+            return {}
+        experts = find_expert_modules(module)
+        names = set(apply_expert_parallel(module, dims.axis(EP), dims.axis(DP)))
+        self._expert_params = [p for n, p in module.named_parameters() if n in names]
+        return experts
+
+    def _reduce_expert_grads(self) -> None:
+        """DDP path: expert gradients are averaged over the ranks holding the same experts (edp)."""
+        dims = self.parallel_dims
+        if not self._expert_params or dims.dp // dims.ep == 1 or not isinstance(self.model, DistributedDataParallel):
+            return
+        group = dims.axis(EDP).get_group()
+        for param in self._expert_params:
+            if param.grad is not None:
+                grad = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad
+                dist.all_reduce(grad, group=group)
+                grad.div_(dims.dp // dims.ep)
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
@@ -435,8 +478,25 @@ class HybridParallelStrategy(ParallelStrategy):
         return self._add_moe_losses(output)
 
     def _add_moe_losses(self, output: Any) -> Any:
-        """MoE auxiliary losses join the loss Lightning backpropagates; ``training_step`` stays unchanged."""
-        return output
+        """MoE auxiliary losses join the loss Lightning backpropagates; ``training_step`` stays unchanged.
+
+        The user's logged loss stays the task loss; ``moe_aux_loss`` / ``moe_z_loss`` and the
+        per-expert token counts are logged beside it (already global: no sync needed).
+        """
+        module = self.lightning_module
+        assert module is not None
+        losses = collect_moe_losses(module)
+        if not losses:
+            return output
+        loss = output["loss"] if isinstance(output, dict) else output
+        if not isinstance(loss, Tensor):
+            return output
+        for key in ("moe_aux_loss", "moe_z_loss"):
+            module.log(key, losses[key].detach())
+        module.log_dict(collect_moe_stats(module))
+        clear_moe_stats(module)
+        total = loss + losses["moe_loss"]
+        return {**output, "loss": total} if isinstance(output, dict) else total
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
@@ -445,7 +505,9 @@ class HybridParallelStrategy(ParallelStrategy):
             # gradients since (zero_grad runs between step and backward): put them back.
             self._pipeline.backward()
             return closure_loss
-        return super().backward(closure_loss, optimizer, *args, **kwargs)
+        result = super().backward(closure_loss, optimizer, *args, **kwargs)
+        self._reduce_expert_grads()
+        return result
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:

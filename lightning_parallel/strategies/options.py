@@ -97,6 +97,14 @@ def validate_options(
             "ZeRO-1 uses torch's ZeroRedundancyOptimizer, which does not take tensor-parallel (DTensor) parameters",
             "use zero_stage=2 or 3 (FSDP2 shards the optimizer state too) or zero_stage=0",
         )
+    if zero_stage == 1 and degrees.get("expert_parallel_size", 1) != 1:
+        raise config_error(
+            ValueError,
+            "zero_stage",
+            f"1 with expert_parallel_size={degrees['expert_parallel_size']}",
+            "ZeroRedundancyOptimizer broadcasts every parameter over all data-parallel ranks, which would overwrite each rank's own experts",
+            "use zero_stage=0, 2 or 3 with expert parallelism",
+        )
     if start_method not in START_METHODS:
         raise config_error(
             ValueError,

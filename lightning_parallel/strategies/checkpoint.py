@@ -8,6 +8,12 @@ otherwise), so a checkpoint written under one layout loads under another. Two fo
   writes the rest of Lightning's checkpoint (loops, callbacks, schedulers) to ``meta.pt``;
 * full: one ``torch.save`` file on rank 0 holding consolidated tensors, loadable anywhere.
 
+A sharded save is written to ``<path>.partial`` and renamed into place only after every rank
+finished and ``meta.pt`` (written last) exists: a save interrupted part way (a rank killed
+mid-write) leaves the previous checkpoint intact, and a directory without ``meta.pt`` is never
+taken for a checkpoint. Loading compares every shape first and names the parameter and both
+shapes on a mismatch: never a silent partial load.
+
 ZeRO-1's ``ZeroRedundancyOptimizer`` is not understood by DCP's optimizer API; its state is
 consolidated on rank 0 and stored, keyed by FQN like every other optimizer state, in the
 non-DCP part of the checkpoint.
@@ -15,6 +21,7 @@ non-DCP part of the checkpoint.
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -80,12 +87,45 @@ def save_sharded(checkpoint: dict[str, Any], path: Path, zero1: bool) -> None:
             checkpoint.setdefault(ZERO1_KEY, {})[idx] = optim
         else:
             state[f"optimizer_{idx}"] = optim
-    if path.is_file():
-        path.unlink()
-    path.mkdir(parents=True, exist_ok=True)
-    dcp.save(state, checkpoint_id=str(path))
+    partial = path.with_name(path.name + ".partial")
     if dist.get_rank() == 0:
-        torch.save(checkpoint, path / META_FILENAME)
+        _remove(partial)
+        partial.mkdir(parents=True)
+    dist.barrier()
+    dcp.save(state, checkpoint_id=str(partial))
+    if dist.get_rank() == 0:
+        torch.save(checkpoint, partial / META_FILENAME)
+        previous = path.with_name(path.name + ".old")
+        _remove(previous)
+        if path.exists():
+            path.rename(previous)
+        partial.rename(path)
+        _remove(previous)
+    dist.barrier()
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()
+
+
+def check_shapes(expected: dict[str, tuple[int, ...]], found: dict[str, tuple[int, ...]], source: Path) -> None:
+    """Refuse a checkpoint whose tensors do not fit the model, naming the parameter and both shapes."""
+    for name, shape in expected.items():
+        if name in found and tuple(found[name]) != tuple(shape):
+            raise ValueError(
+                f"Checkpoint {source} does not fit the model: `{name}` has shape {tuple(found[name])} in the"
+                f" checkpoint and {tuple(shape)} in the model. HINT: build the model with the configuration it"
+                " was saved with (its hyper-parameters are in the checkpoint), or load another checkpoint."
+            )
+
+
+def _sharded_model_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    prefix = "state_dict."
+    return {k[len(prefix):]: tuple(v.size) for k, v in metadata.items() if k.startswith(prefix) and hasattr(v, "size")}
 
 
 def load_into(
@@ -94,24 +134,40 @@ def load_into(
     """Load model and optimizer states from ``path`` (directory or file) in place; return the rest."""
     if is_sharded_checkpoint(path):
         meta: dict[str, Any] = torch.load(path / META_FILENAME, map_location="cpu", weights_only=False)
+        full_states: dict[int, Any] = meta.get(ZERO1_KEY, {})  # saved consolidated by a ZeRO-1 run
         state: dict[str, Any] = {"state_dict": model_state(module, full=False)}
+        check_shapes({k: tuple(v.shape) for k, v in state["state_dict"].items()}, _sharded_model_shapes(path), path)
         for idx, opt in enumerate(optimizers):
-            if not isinstance(opt, ZeroRedundancyOptimizer):
-                state[f"optimizer_{idx}"] = optimizer_state(module, opt, full=False)
+            if idx in full_states:
+                continue
+            if isinstance(opt, ZeroRedundancyOptimizer):
+                raise ValueError(
+                    f"Checkpoint {path} holds sharded optimizer state, which ZeRO-1 (zero_stage=1) cannot load."
+                    " HINT: resume with zero_stage 0, 2 or 3, or save with save_distributed_checkpoint=False"
+                    " (a consolidated file loads under every layout)."
+                )
+            state[f"optimizer_{idx}"] = optimizer_state(module, opt, full=False)
         dcp.load(state, checkpoint_id=str(path))
         set_model_state_dict(module, state["state_dict"], options=StateDictOptions(strict=strict))
         for idx, opt in enumerate(optimizers):
-            if isinstance(opt, ZeroRedundancyOptimizer):
-                _load_zero1_state(module, opt, meta[ZERO1_KEY][idx])
+            if idx in full_states:
+                _load_full_optimizer_state(module, opt, full_states[idx])
             else:
                 set_optimizer_state_dict(module, opt, state[f"optimizer_{idx}"])
         return meta
     checkpoint: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=False)
+    expected = {k: tuple(v.shape) for k, v in model_state(module, full=False).items()}
+    check_shapes(expected, {k: tuple(v.shape) for k, v in checkpoint["state_dict"].items()}, path)
     options = StateDictOptions(full_state_dict=True, strict=strict)
     set_model_state_dict(module, checkpoint["state_dict"], options=options)
     for opt, opt_state in zip(optimizers, checkpoint.get("optimizer_states", [])):
-        if isinstance(opt, ZeroRedundancyOptimizer):
-            _load_zero1_state(module, opt, opt_state)
-        else:
-            set_optimizer_state_dict(module, opt, opt_state, options=options)
+        _load_full_optimizer_state(module, opt, opt_state)
     return checkpoint
+
+
+def _load_full_optimizer_state(module: nn.Module, optimizer: Optimizer, state: dict[str, Any]) -> None:
+    """Load a consolidated, FQN-keyed optimizer state into any layout (each rank keeps its part)."""
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        _load_zero1_state(module, optimizer, state)
+    else:
+        set_optimizer_state_dict(module, optimizer, state, options=StateDictOptions(full_state_dict=True))

@@ -32,8 +32,11 @@ class FitSpec:
     devices: int = 1
     global_batch: int = 16
     max_steps: int = 6
+    max_epochs: int | None = None  # with max_steps=-1: stop at an epoch end (clean resume point)
     seed: int = 1234
     trainer_kwargs: dict[str, Any] = field(default_factory=dict)
+    resume_from: str | None = None  # ckpt_path for trainer.fit
+    save_to: str | None = None  # trainer.save_checkpoint after fit
 
 
 def _load(path: str) -> Any:
@@ -122,6 +125,7 @@ def run_fit(spec: FitSpec) -> dict[str, Any]:
         devices=spec.devices,
         strategy=_make_strategy(spec.strategy),
         max_steps=spec.max_steps,
+        max_epochs=spec.max_epochs,
         use_distributed_sampler=False,
         logger=False,
         enable_checkpointing=False,
@@ -137,7 +141,9 @@ def run_fit(spec: FitSpec) -> dict[str, Any]:
         raise ValueError(f"global_batch={spec.global_batch} must be divisible by the data-parallel size {replicas}")
     sampler = DistributedSampler(dataset, shuffle=False, drop_last=True, **sampler_kwargs)
     loader = DataLoader(dataset, batch_size=spec.global_batch // replicas, sampler=sampler, drop_last=True)
-    trainer.fit(model, train_dataloaders=loader)
+    trainer.fit(model, train_dataloaders=loader, ckpt_path=spec.resume_from)
+    if spec.save_to:
+        trainer.save_checkpoint(spec.save_to)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if isinstance(v, torch.Tensor) and v.numel() == 1}
     return {
         "layout": recorder.layout,

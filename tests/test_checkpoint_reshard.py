@@ -148,3 +148,24 @@ def test_interrupted_save_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
     for name, value in before.items():
         torch.testing.assert_close(after[name], value, rtol=0, atol=0)
     assert not (path.with_name(path.name + ".partial") / "meta.pt").exists()  # the partial one is not a checkpoint
+
+
+MOE = FitSpec(
+    model="lightning_parallel.models:MoEGPT",
+    model_kwargs={"vocab_size": 64, "block_size": 16, "n_layer": 2, "n_head": 4, "n_embd": 32, "lr": 0.3, "momentum": 0.9,
+                  "num_experts": 4, "top_k": 2},
+    data="lightning_parallel.testing.parity:token_data",
+    data_kwargs={"num_samples": 24},
+    global_batch=8,
+    max_steps=6,
+    strategy={"class": HYBRID},
+)
+
+
+@pytest.mark.slow
+def test_resume_expert_parallel_on_one_process(tmp_path: Path) -> None:
+    """ep2 (experts split over two ranks) -> one process holding every expert."""
+    reference = _run([MOE], 1)[0]
+    a, b = _phases(MOE, tmp_path / "ep.ckpt", {"expert_parallel_size": 2}, {}, True)
+    _run([a], 2)
+    _assert_continues(_run([b], 1)[0], reference, "ep2->ep1")

@@ -38,10 +38,7 @@ def _check(cases: list[tuple[str, dict[str, Any]]], devices: int) -> list[dict[s
     reference = _reference()
     assert reference["metrics"]["moe_aux_loss"] > 0  # the auxiliary loss is really in play
     for (label, _), result in zip(cases, results[0]):
-        # metrics=False: the zoo logs its accuracy Metric on step, and Lightning logs a Metric's
-        # on-step value unsynced (each rank's own batch), under its own DDP too; the synced epoch
-        # value is compared in tests/test_data_parallel.py.
-        assert_parity(result, reference, label, per_tensor=True, metrics=False)
+        assert_parity(result, reference, label, per_tensor=True)
         assert result["metrics"]["moe_aux_loss"] == pytest.approx(reference["metrics"]["moe_aux_loss"], rel=1e-5)
     return results[0]
 

@@ -75,6 +75,7 @@ def _train(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> 
 def _parity_worker(cases: list[tuple[str, str, bool]]) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
+    from lightning_parallel.parallel.clip import total_norm
     from lightning_parallel.parallel.tensor_parallel import apply_tensor_parallel
     from lightning_parallel.parallel.tp_plan import resolve_tp_plan
 
@@ -101,6 +102,14 @@ def _parity_worker(cases: list[tuple[str, str, bool]]) -> dict[str, Any]:
         plan = resolve_tp_plan(model, tp)
         apply_tensor_parallel(model, mesh, plan, sequence_parallel=sp)
         losses, ref_losses = _train(model, batch), _train(reference, batch)
+        # The last step's gradients are still there: they must have their parameter's layout
+        # (sequence parallelism makes norm-weight grads Partial, the embedding's Replicate), and
+        # the global-norm clipping norm computed from them must be the single-process norm.
+        grad_layouts = {
+            n: (str(p.grad.placements), str(p.placements))
+            for n, p in model.named_parameters() if isinstance(p, DTensor) and p.grad is not None
+        }
+        ref_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in reference.parameters()]))
         errors: dict[str, float] = {}
         local_shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
         ref_params = dict(reference.named_parameters())
@@ -118,6 +127,8 @@ def _parity_worker(cases: list[tuple[str, str, bool]]) -> dict[str, Any]:
             "local_shapes": local_shapes,
             "names_same": names_before == [n for n, _ in model.named_parameters()],
             "styles": dict(plan.styles),
+            "grad_layouts": grad_layouts,
+            "clip_norm": (float(total_norm(list(model.parameters()))), float(ref_norm)),
         }
     return results
 
@@ -147,6 +158,10 @@ def _check_case(result: dict[str, Any], tp: int, kind: str) -> None:
             sharded += 1
         assert list(local) == expected, f"{name}: local shard {local}, expected {tuple(expected)}"
     assert sharded >= 3, "almost nothing was sharded"
+    wrong = {n: layouts for n, layouts in result["grad_layouts"].items() if layouts[0] != layouts[1]}
+    assert result["grad_layouts"] and not wrong, f"gradient placements differ from their parameters' (grad, param): {wrong}"
+    got, ref = result["clip_norm"]
+    assert abs(got - ref) <= REL_TOL * ref, f"global gradient norm {got} vs single-process {ref}"
 
 
 def _run(tp: int) -> dict[str, Any]:

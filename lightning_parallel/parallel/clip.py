@@ -15,7 +15,7 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 _Group = dist.ProcessGroup | None
 
@@ -37,6 +37,8 @@ def total_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0, extra
         groups: tuple[dist.ProcessGroup, ...] = ()
         local = grad
         if isinstance(grad, DTensor):
+            if any(p.is_partial() for p in grad.placements):  # pending sums: reduce before the norm
+                grad = grad.redistribute(grad.device_mesh, [Replicate() if p.is_partial() else p for p in grad.placements])
             groups, local = _shard_groups(grad), grad.to_local()
         local = local.detach().float()
         value = local.abs().max() if inf else local.norm(norm_type) ** norm_type

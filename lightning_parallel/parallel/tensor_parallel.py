@@ -19,12 +19,24 @@ all-reducing, a region gathers the sequence on entry, the token embedding's outp
 a replicated position embedding keeps its rank's slice, and the LM head gathers before
 projecting. Sequences must divide by the TP size.
 
+Gradients leave the backward in their parameter's layout. DTensor autograd alone does not
+promise that: under sequence parallelism a replicated norm weight gets a ``Partial`` gradient
+(each rank holds its sequence slice's sum, not the sum), and the vocabulary-sharded embedding
+gets a ``Replicate`` full-vocabulary gradient on every rank. The optimizer step would fix the
+values, but everything between backward and step reads ``.grad`` as the parameter's layout:
+global-norm clipping (a ``Partial`` gradient counted as a shard gives a wrong norm), gradient
+norm logging, and the memory budget (a full embedding gradient per rank). A post-accumulate
+hook per parameter redistributes the gradient to the parameter's placements (an all-reduce
+for ``Partial``, a local slice for ``Replicate`` -> ``Shard``). Under FSDP2 the parameters are
+replaced and FSDP2 does the same redistribution itself before reducing over the data axes.
+
 Composition: apply this before FSDP2 (which then shards the DTensor parameters over the
 data-parallel axes) and after a pipeline split.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -150,6 +162,14 @@ def _ties(module: nn.Module, names: set[str]) -> list[list[tuple[str, str]]]:
     return [group for group in owners.values() if len(group) > 1 and any(m in names for m, _ in group)]
 
 
+def _grad_to_param_layout(param: torch.Tensor) -> None:
+    """Post-accumulate-grad hook: give ``param.grad`` the placements of ``param`` (see module doc)."""
+    grad = param.grad
+    if isinstance(param, DTensor) and isinstance(grad, DTensor) and tuple(grad.placements) != tuple(param.placements):
+        with torch.no_grad():
+            param.grad = grad.redistribute(param.device_mesh, param.placements)
+
+
 def apply_tensor_parallel(
     module: nn.Module, tp_mesh: DeviceMesh, plan: TensorParallelPlan, sequence_parallel: bool = False
 ) -> None:
@@ -168,6 +188,9 @@ def apply_tensor_parallel(
         shared = getattr(module.get_submodule(first_mod), first_local)
         for mod_name, local in group[1:]:
             setattr(module.get_submodule(mod_name), local, shared)
+    for param in {id(p): p for p in module.parameters()}.values():
+        if isinstance(param, DTensor) and param.requires_grad:
+            param.register_post_accumulate_grad_hook(_grad_to_param_layout)
     sp = sequence_parallel
     for name in plan.regions:
         install_region(module.get_submodule(name), tp_mesh, dtensor_region=True, gather_input=sp)

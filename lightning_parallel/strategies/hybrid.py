@@ -331,6 +331,7 @@ class HybridParallelStrategy(ParallelStrategy):
         self.model_to_device()
         self.model = self._parallelize(module)
         self._install_global_norm_clipping()
+        self._sync_metrics_over_data_parallel(module)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -442,6 +443,22 @@ class HybridParallelStrategy(ParallelStrategy):
                 if getattr(config.scheduler, "optimizer", None) is optimizer:
                     config.scheduler.optimizer = sharded  # type: ignore[attr-defined]
             self.optimizers[idx] = sharded
+
+    def _sync_metrics_over_data_parallel(self, module: nn.Module) -> None:
+        """torchmetrics objects report the global batch per step and count each sample once.
+
+        Lightning logs a Metric's step value from its forward (this rank's batch only, whatever
+        ``sync_dist`` says), and torchmetrics syncs over the whole world by default, where tensor
+        and pipeline peers hold duplicate states. Sync on step, over the data-parallel ranks: one
+        all-gather per metric per step buys the single-process value on every rank.
+        """
+        from torchmetrics import Metric
+
+        group = self._data_parallel_group()  # None = the world, when every rank is data-parallel
+        for metric in module.modules():
+            if isinstance(metric, Metric):
+                metric.process_group = group
+                metric.dist_sync_on_step = True
 
     def _install_global_norm_clipping(self) -> None:
         """Route Lightning's norm clipping through the layout-aware global norm."""

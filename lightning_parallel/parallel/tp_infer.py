@@ -1,0 +1,194 @@
+"""Structural inference of a tensor-parallel layout: what a module tree says without running it.
+
+Separate from the plan (:mod:`lightning_parallel.parallel.tp_plan`) because it answers another
+question: not "which style does a module get" (precedence, user globs, divisibility, bytes) but
+"which linears form a column/row pair, where is the vocabulary, which modules sit on the
+residual stream". It reads module types, names, shapes and head-count attributes only, so it
+works on a meta-device model. Attention is recognised by role names (``q_proj``, ``wq``, ...)
+or, when the parent declares a head count, by shape and order; a feed-forward pair by an
+``H -> F`` linear (or gate and up) registered before an ``F -> H`` one, or by execution order
+in an ``nn.Sequential``. The plan turns these roles into styles.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+
+_ELEMENTWISE = (
+    nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Dropout, nn.Identity, nn.LeakyReLU,
+    nn.ELU, nn.SELU, nn.CELU, nn.Mish, nn.Softplus, nn.Hardswish, nn.Hardtanh, nn.Hardsigmoid,
+)
+_HEAD_ATTRS = ("num_heads", "n_head", "n_heads", "num_attention_heads", "nhead", "heads")
+_KV_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_kv_head", "kv_heads", "n_kv")
+_HEAD_DIM_ATTRS = ("head_dim", "head_size", "d_head")
+_ROLE_NAMES = {
+    "q": ("q", "q_proj", "query", "wq", "to_q", "q_lin"),
+    "k": ("k", "k_proj", "key", "wk", "to_k", "k_lin"),
+    "v": ("v", "v_proj", "value", "wv", "to_v", "v_lin"),
+    "o": ("o", "o_proj", "out_proj", "proj", "c_proj", "wo", "out", "dense", "to_out", "out_lin", "output"),
+}
+
+
+def _int_attr(obj: nn.Module, names: tuple[str, ...]) -> int | None:
+    """First positive int among ``names`` on the module, then on its ``config`` (HF layout)."""
+    for holder in (obj, getattr(obj, "config", None)):
+        for name in names if holder is not None else ():
+            value = getattr(holder, name, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return None
+
+
+def head_counts(module: nn.Module) -> tuple[int | None, int | None]:
+    """(query heads, key/value heads) a module declares by attribute, None when it does not."""
+    return _int_attr(module, _HEAD_ATTRS), _int_attr(module, _KV_ATTRS)
+
+
+@dataclass
+class Structure:
+    """What the module tree says without running it: groups to shard and the residual stream.
+
+    ``column`` are the first linears of each pair (they may split their outputs), ``row`` the
+    second (they split their inputs and sum), ``groups`` the members that must be split
+    together, keyed by the parent module (``parent#mlpN`` for a feed-forward pair,
+    ``#vocab`` for the vocabulary embedding and the LM heads reading its width).
+    """
+
+    column: list[str] = field(default_factory=list)
+    row: list[str] = field(default_factory=list)
+    vocab_embedding: str | None = None
+    groups: dict[str, list[str]] = field(default_factory=dict)
+    norms: tuple[str, ...] = ()
+    stream_embeddings: tuple[str, ...] = ()
+    lm_heads: tuple[str, ...] = ()
+    blocks: tuple[str, ...] = ()
+    roles: dict[str, str] = field(default_factory=dict)
+
+    def reason(self, name: str) -> str:
+        """Why a module that owns parameters is not sharded, for the report."""
+        return self.roles.get(name, "no column/row-parallel partner found")
+
+
+def _attention(parent: nn.Module, lins: list[tuple[str, nn.Linear]]) -> dict[str, str] | None:
+    """role -> child name for q/k/v/o, found by name, else by shape and order, else None.
+
+    Shape and order: q, k, v are the first three linears reading the same width, with k and v
+    of equal width dividing q's (grouped-query attention has fewer k/v heads); o is a later
+    linear reading q's width. Without role names, a head-count attribute must say "attention".
+    """
+    by_name = {}
+    for role, names in _ROLE_NAMES.items():
+        hit = [local for local, _ in lins if local.lower() in names]
+        if hit:
+            by_name[role] = hit[0]
+    found = by_name if len(by_name) == 4 else None
+    if found is None and (head_counts(parent)[0] or _int_attr(parent, _HEAD_DIM_ATTRS)):
+        for i in range(len(lins) - 3):
+            (qn, q), (kn, k), (vn, v) = lins[i], lins[i + 1], lins[i + 2]
+            outs = [(on, o) for on, o in lins[i + 3:] if o.in_features == q.out_features]
+            if q.in_features == k.in_features == v.in_features and outs:
+                found = {"q": qn, "k": kn, "v": vn, "o": outs[-1][0]}
+                break
+    if found is None:
+        return None
+    mods = dict(lins)
+    q, k, v, o = (mods[found[r]] for r in "qkvo")
+    shapes_ok = (
+        q.in_features == k.in_features == v.in_features
+        and k.out_features == v.out_features
+        and q.out_features % k.out_features == 0
+        and o.in_features == q.out_features
+    )
+    return found if shapes_ok else None
+
+
+def _mlp_groups(parent: nn.Module, lins: list[tuple[str, nn.Linear]], used: set[str]) -> list[tuple[list[str], str]]:
+    """([column-parallel children], row-parallel child) pairs around an elementwise op.
+
+    In an ``nn.Sequential`` the order of children is the order of execution, so a Linear, any
+    elementwise modules, then a Linear reading its width form a pair. Elsewhere a pair is
+    ``H -> F`` linears (one, or gate and up) registered before an ``F -> H`` linear.
+    """
+    groups: list[tuple[list[str], str]] = []
+    if isinstance(parent, nn.Sequential):
+        children = list(parent.named_children())
+        i = 0
+        while i < len(children):
+            name, first = children[i]
+            j = i + 1
+            while j < len(children) and isinstance(children[j][1], _ELEMENTWISE):
+                j += 1
+            if (
+                isinstance(first, nn.Linear) and j < len(children)
+                and isinstance(children[j][1], nn.Linear) and children[j][1].in_features == first.out_features
+            ):
+                groups.append(([name], children[j][0]))
+                i = j + 1
+            else:
+                i += 1
+        return groups
+    for d_pos, (dn, down) in enumerate(lins):
+        if dn in used:
+            continue
+        ups = [un for un, up in lins[:d_pos] if un not in used
+               and up.in_features == down.out_features and up.out_features == down.in_features]
+        if ups:
+            used.update(ups + [dn])
+            groups.append((ups, dn))
+    return groups
+
+
+def analyse(module: nn.Module) -> Structure:
+    """Infer a plan from the module tree: attention and MLP groups, vocab embedding and head."""
+    st = Structure()
+    modules = dict(module.named_modules())
+    blocks: list[str] = []
+    for pname, parent in modules.items():
+        prefix = f"{pname}." if pname else ""
+        lins = [(n, c) for n, c in parent.named_children() if isinstance(c, nn.Linear)]
+        if not lins:
+            continue
+        used: set[str] = set()
+        attn = _attention(parent, lins)
+        if attn is not None:
+            members = [prefix + attn[r] for r in "qkv"] + [prefix + attn["o"]]
+            st.column += members[:3]
+            st.row.append(members[3])
+            st.groups[pname] = members
+            used.update(attn.values())
+            blocks.append(pname)
+        for n, (ups, down) in enumerate(_mlp_groups(parent, lins, used)):
+            members = [prefix + u for u in ups] + [prefix + down]
+            st.column += members[:-1]
+            st.row.append(members[-1])
+            st.groups[f"{pname}#mlp{n}"] = members
+            if pname not in blocks:
+                blocks.append(pname)
+    st.blocks = tuple(blocks)
+    inside = tuple(f"{b}." for b in blocks if b)
+    paired = set(st.column) | set(st.row)
+    embeddings = [(n, m) for n, m in modules.items() if isinstance(m, nn.Embedding)]
+    heads = [
+        (e_name, n) for n, m in modules.items() for e_name, e in embeddings
+        if isinstance(m, nn.Linear) and n not in paired and not n.startswith(inside)
+        and (m.in_features, m.out_features) == (e.embedding_dim, e.num_embeddings)
+    ]
+    if heads or embeddings:
+        vocab_name = max(heads or [(n, "") for n, _ in embeddings], key=lambda h: modules[h[0]].num_embeddings)[0]
+        hidden = modules[vocab_name].embedding_dim
+        st.vocab_embedding = vocab_name
+        st.lm_heads = tuple(h for e, h in heads if e == vocab_name)
+        st.groups["#vocab"] = [vocab_name, *st.lm_heads]
+        st.stream_embeddings = tuple(n for n, e in embeddings if e.embedding_dim == hidden)
+        st.roles.update({n: "position/extra embedding" for n in st.stream_embeddings if n != vocab_name})
+    norms = []
+    for name, mod in modules.items():
+        params = list(mod.parameters(recurse=False))
+        if "norm" in type(mod).__name__.lower() and params and all(p.dim() == 1 for p in params):
+            if not name.startswith(inside):
+                norms.append(name)
+            st.roles[name] = "norm (sequence-sharded under sequence_parallel)"
+    st.norms = tuple(norms)
+    return st

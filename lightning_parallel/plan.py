@@ -1,0 +1,180 @@
+"""``python -m lightning_parallel.plan``: print the parallel layout of a config without running it.
+
+Same overrides as ``python -m lightning_parallel.train`` (the project's ``conf/``), e.g.::
+
+    python -m lightning_parallel.plan model=gpt strategy=tp strategy.tensor_parallel_size=4
+    python -m lightning_parallel.plan model=gpt strategy=tp strategy.tensor_parallel_size=2 \\
+        strategy.pipeline_parallel_size=2 +world_size=4
+
+Why a dry run: a layout is decided from the module tree alone (tensor-parallel plan, pipeline
+cut points), so what a job would shard, what stays replicated and how many bytes each rank
+holds can be read before asking for machines. The model is built on the meta device (no
+weights, no memory, no process group), with the same planners the strategy calls in
+``setup_environment()``, so the printout is what the job will do and a config the job would
+refuse (e.g. ``strict_plan=true`` with a size that does not divide the heads) fails here with
+the same message and a non-zero exit status.
+
+World size: ``+world_size=N`` if given; else the trainer's processes when they hold the layout;
+else the product of the explicit degrees (a dry run may plan for more devices than this
+machine has).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from lightning_parallel.parallel.dims import ParallelDims
+from lightning_parallel.parallel.errors import config_error
+
+_DEGREES = ("data_parallel_size", "tensor_parallel_size", "pipeline_parallel_size", "expert_parallel_size")
+
+
+def compose_config(overrides: Sequence[str]) -> DictConfig:
+    """The job's config as ``lightning_parallel.train`` would see it (Hydra compose, no run dir)."""
+    from hydra import compose, initialize_config_dir
+
+    from lightning_parallel.train import CONF_DIR
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def _trainer_processes(cfg: DictConfig) -> int | None:
+    devices, nodes = cfg.trainer.get("devices", 1), cfg.trainer.get("num_nodes", 1)
+    return int(devices) * int(nodes) if isinstance(devices, int) and isinstance(nodes, int) else None
+
+
+def world_size_for(cfg: DictConfig) -> tuple[int, str]:
+    """The world size to plan for, and where it came from (printed, so the user can check it)."""
+    requested = cfg.get("world_size")
+    if requested is not None:
+        if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
+            raise config_error(ValueError, "world_size", requested, "must be a positive int", "pass e.g. +world_size=8")
+        return requested, "+world_size"
+    strategy = cfg.get("strategy") or {}
+    explicit = math.prod(int(strategy.get(k, 1)) for k in _DEGREES[:3] if isinstance(strategy.get(k, 1), int))
+    procs = _trainer_processes(cfg)
+    if procs is not None and procs % explicit == 0:
+        return procs, "trainer.devices x trainer.num_nodes"
+    return explicit, "product of the explicit degrees (set +world_size=N to plan for another)"
+
+
+def _human(nbytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if nbytes < 1024 or unit == "GiB":
+            return f"{nbytes:,.0f} {unit}" if unit == "B" else f"{nbytes:,.1f} {unit}"
+        nbytes /= 1024
+    raise AssertionError("unreachable")
+
+
+def _folded(reasons: dict[str, str]) -> list[str]:
+    """``module: reason`` lines, repeated layers folded as in the plan table (``blocks.*.ln_1 x4``)."""
+    from lightning_parallel.parallel.tp_plan import fold_layer_index
+
+    counts: dict[tuple[str, str], int] = {}
+    for name, reason in reasons.items():
+        key = (fold_layer_index(name), reason)
+        counts[key] = counts.get(key, 0) + 1
+    return [f"  {name}: {reason}" + (f"  x{n}" if n > 1 else "") for (name, reason), n in counts.items()]
+
+
+def _module_bytes(per_module: dict[str, int], modules: Sequence[str]) -> int:
+    """Bytes of the parameter-owning modules at or below any of ``modules``."""
+    return sum(b for name, b in per_module.items() if any(name == m or name.startswith(f"{m}.") for m in modules))
+
+
+def describe(cfg: DictConfig) -> str:
+    """The whole printout for a composed config: degrees, TP plan and bytes, pipeline plan."""
+    from hydra.utils import instantiate
+
+    from lightning_parallel.parallel.pipeline_plan import plan_pipeline
+    from lightning_parallel.parallel.pipeline_schedules import resolve_virtual_stages, schedule_spec
+    from lightning_parallel.parallel.tp_plan import fold_layer_index, resolve_tp_plan, tp_param_bytes
+
+    strategy: dict[str, Any] = OmegaConf.to_container(cfg.strategy, resolve=True)  # type: ignore[assignment]
+    world, origin = world_size_for(cfg)
+    zero_stage = int(strategy.get("zero_stage", 0) or 0)
+    dims = ParallelDims.resolve(
+        world,
+        **{k: strategy.get(k, 1 if k != "data_parallel_size" else "auto") for k in _DEGREES},
+        data_parallel_replicate_size=strategy.get("data_parallel_replicate_size", "auto"),
+        sharded=zero_stage >= 2,
+        hybrid=bool(strategy.get("hybrid_shard", False)),
+        num_nodes=int(cfg.trainer.get("num_nodes", 1) or 1),
+    )
+    with torch.device("meta"):
+        model: nn.Module = instantiate(cfg.model)
+    total = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+    lines = [
+        f"{type(model).__name__}: {total:,} parameter bytes ({_human(total)}); world size {world} from {origin}: {dims.describe()}, "
+        f"zero_stage={zero_stage}"
+    ]
+    per_module: dict[str, int] | None = None
+    if dims.tp > 1:
+        plan = resolve_tp_plan(
+            model, dims.tp, user_plan=strategy.get("tp_plan") or None, strict=bool(strategy.get("strict_plan", False))
+        )
+        sizes = tp_param_bytes(model, plan)
+        per_module = sizes["per_module_bytes_per_rank"]  # type: ignore[assignment]
+        sharded, replicated = sizes["sharded_bytes_per_rank"], sizes["replicated_bytes_per_rank"]
+        lines += [
+            "",
+            plan.table(),
+            f"parameter bytes per tensor-parallel rank: {sizes['total_bytes_per_rank']:,} ({_human(sizes['total_bytes_per_rank'])})"  # type: ignore[arg-type]
+            f" = sharded {sharded:,} ({_human(sharded)}, 1/{dims.tp} of each split tensor)"  # type: ignore[arg-type]
+            f" + replicated {replicated:,} ({_human(replicated)}); unsharded model {total:,}",  # type: ignore[arg-type]
+            "replicated on every tensor-parallel rank:",
+        ]
+        lines += _folded(plan.replicated) or ["  (nothing)"]
+        if strategy.get("sequence_parallel"):
+            norms = ", ".join(dict.fromkeys(fold_layer_index(n) for n in plan.norms))
+            lines.append(f"sequence_parallel: norms {norms} run on a sequence slice (weights replicated)")
+    if dims.pp > 1:
+        spec = schedule_spec(strategy.get("pipeline_schedule") or "1f1b")
+        virtual = resolve_virtual_stages(spec, strategy.get("virtual_stages") or "auto")
+        pplan = plan_pipeline(model, dims.pp, virtual, style=spec.style, split_points=strategy.get("split_points"))
+        lines += ["", f"schedule {spec.name}: " + pplan.table()]
+        if per_module is None:
+            per_module = {}
+            for name, mod in model.named_modules():
+                own = sum(p.numel() * p.element_size() for p in mod.parameters(recurse=False))
+                if own:
+                    per_module[name] = own
+        for rank in range(dims.pp):
+            modules = [m for s in pplan.stages if s.rank == rank for m in s.modules]
+            nbytes = _module_bytes(per_module, modules)
+            lines.append(f"pipeline rank {rank}: {nbytes:,} parameter bytes per rank ({_human(nbytes)})" + (
+                " with its tensor-parallel split" if dims.tp > 1 else ""))
+    if dims.tp == 1 and dims.pp == 1:
+        lines.append("tensor_parallel_size and pipeline_parallel_size are 1: every rank holds whole layers (nothing to plan)")
+    if zero_stage == 3 and dims.dp_shard > 1:
+        lines.append(f"zero_stage=3 further shards these parameter bytes over dp_shard={dims.dp_shard} ranks")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Print the plan for the overrides in ``argv``; exit status 2 on a config the job would refuse."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in args):
+        print(__doc__)
+        return 0
+    try:
+        print(describe(compose_config(args)))
+    except (ValueError, TypeError, HydraException, OmegaConfBaseException) as err:
+        print(f"lightning_parallel.plan: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

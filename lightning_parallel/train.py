@@ -15,6 +15,7 @@ from typing import Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_parallel.app.job import run_job
@@ -41,6 +42,9 @@ def launch(cfg: DictConfig) -> dict[str, Any]:
     """Run the job on this process, or spawn one process per local rank and wait for them."""
     config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
     nprocs = _num_processes(cfg)
+    strategy = instantiate(cfg.strategy)  # option errors here, once, before any rank starts
+    if hasattr(strategy, "resolve_dims"):
+        strategy.resolve_dims(nprocs)  # degrees vs devices x num_nodes
     if nprocs == 1 or any(var in os.environ for var in EXTERNAL_LAUNCH_VARS):
         return run_job(config_yaml)
     if cfg.trainer.get("num_nodes", 1) != 1:

@@ -169,3 +169,19 @@ def test_resume_expert_parallel_on_one_process(tmp_path: Path) -> None:
     a, b = _phases(MOE, tmp_path / "ep.ckpt", {"expert_parallel_size": 2}, {}, True)
     _run([a], 2)
     _assert_continues(_run([b], 1)[0], reference, "ep2->ep1")
+
+
+@pytest.mark.parametrize("layout", [{"zero_stage": 0}, {"zero_stage": 3}], ids=["dp", "zero3"])
+def test_exact_resume_from_mid_epoch_model_checkpoints(tmp_path: Path, layout: dict[str, Any]) -> None:
+    """ModelCheckpoint every 2 steps in 3-batch epochs: steps 2 and 4 are mid-epoch. Resuming from
+    either continues with exactly the losses of the uninterrupted run (Lightning alone would
+    restart the epoch's data from its first batch)."""
+    full = dataclasses.replace(TINY, strategy=_strategy(layout, True), checkpoint_every=2, checkpoint_dir=str(tmp_path))
+    uninterrupted = _run([full], 2)[0]
+    resumes = [dataclasses.replace(TINY, strategy=_strategy(layout, True), resume_from=str(tmp_path / name))
+               for name in ("epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt")]
+    for start, result in zip((2, 4), _run(resumes, 2)):
+        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(uninterrupted["losses"][start:]),
+                                   rtol=1e-6, atol=0, msg=lambda m: f"resume at step {start}: {m}")
+        for name, ref in uninterrupted["params"].items():
+            torch.testing.assert_close(result["params"][name], ref, rtol=1e-6, atol=1e-7)

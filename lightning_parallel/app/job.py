@@ -1,7 +1,8 @@
 """One training job: instantiate data, model, callbacks, loggers, trainer; fit; test.
 
 The job runs on every rank with the configuration already resolved to plain YAML, so the
-ranks need no Hydra context. Rank 0 returns the job's metrics.
+ranks need no Hydra context. Rank 0 returns the job's metrics; with the parallelism monitor
+among the callbacks (the default), its per-rank summary is included under ``monitor``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from typing import Any
 import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
+
+from lightning_parallel.callbacks import ParallelismMonitor
 
 
 def _floats(metrics: dict[str, Any]) -> dict[str, float]:
@@ -30,7 +33,7 @@ def run_job(config_yaml: str) -> dict[str, Any]:
     pl.seed_everything(cfg.seed, workers=True)
     datamodule = instantiate(cfg.data)
     model = instantiate(cfg.model)
-    callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values()]
+    callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]  # null disables one
     loggers = [instantiate(c) for c in (cfg.get("logger") or {}).values()]
     strategy = instantiate(cfg.strategy)
     trainer: pl.Trainer = instantiate(cfg.trainer, strategy=strategy, callbacks=callbacks, logger=loggers or False)
@@ -44,6 +47,9 @@ def run_job(config_yaml: str) -> dict[str, Any]:
     results["global_step"] = trainer.global_step
     results["world_size"] = trainer.world_size
     results["strategy"] = type(trainer.strategy).__name__
+    monitor = next((c for c in trainer.callbacks if isinstance(c, ParallelismMonitor)), None)  # type: ignore[attr-defined]
+    if monitor is not None and monitor.summary is not None:
+        results["monitor"] = monitor.summary
     if trainer.is_global_zero and cfg.get("output_dir"):
         out = Path(cfg.output_dir)
         out.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,8 @@
 """Hydra callback: after a multirun, one table of every job's metrics (markdown and CSV).
 
 A job that failed or wrote no results appears as ``FAILED``, so a partial sweep is never
-presented as a complete one.
+presented as a complete one. Jobs run with the parallelism monitor (the default callbacks)
+also report throughput, memory per device and the communication share.
 """
 
 from __future__ import annotations
@@ -12,9 +13,38 @@ from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
-COLUMNS = ("job", "overrides", "status", "world_size", "steps", "fit_seconds", "val_loss", "val_acc", "test_loss", "test_acc")
+COLUMNS = (
+    "job", "overrides", "status", "world_size", "steps", "fit_seconds", "val_loss", "val_acc", "test_loss", "test_acc",
+    "samples_per_s", "state_mb_per_device", "peak_mb_per_device", "comm_share",
+)
+MB = 2**20
+
+
+def _choice(job_dir: Path, group: str) -> str | None:
+    """The config-group option a job ran with (``strategy`` -> ``zero3``), from Hydra's record."""
+    hydra_file = job_dir / ".hydra" / "hydra.yaml"
+    if not hydra_file.exists():
+        return None
+    choices = OmegaConf.load(hydra_file).hydra.runtime.get("choices", {})
+    value = choices.get(group)
+    return str(value) if value is not None else None
+
+
+def monitor_columns(monitor: dict[str, Any]) -> dict[str, Any]:
+    """Per-device figures from the monitor's summary: the largest over ranks (what must fit)."""
+    states = [r["total"] for r in monitor.get("state_bytes_per_rank") or []]
+    peaks = monitor.get("peak_memory_bytes_per_rank") or []
+    return {
+        "samples_per_s": monitor.get("samples_per_s"),
+        "tokens_per_s": monitor.get("tokens_per_s"),
+        "step_ms": 1e3 * monitor["step_seconds"] if monitor.get("step_seconds") else None,
+        "state_mb_per_device": max(states) / MB if states else None,
+        "peak_mb_per_device": max(peaks) / MB if peaks else None,
+        "peak_memory_kind": monitor.get("peak_memory_kind"),
+        "comm_share": monitor.get("comm_share"),
+    }
 
 
 def collect_rows(sweep_dir: Path, summary_file: str = "results.json") -> list[dict[str, Any]]:
@@ -23,7 +53,8 @@ def collect_rows(sweep_dir: Path, summary_file: str = "results.json") -> list[di
         overrides_file = job_dir / ".hydra" / "overrides.yaml"
         overrides = overrides_file.read_text().replace("\n- ", " ").strip("- \n") if overrides_file.exists() else ""
         result_file = job_dir / summary_file
-        row: dict[str, Any] = {"job": job_dir.name, "overrides": overrides, "status": "FAILED"}
+        row: dict[str, Any] = {"job": job_dir.name, "overrides": overrides, "status": "FAILED",
+                               "strategy": _choice(job_dir, "strategy")}
         if result_file.exists():
             data = json.loads(result_file.read_text())
             fit, test = data.get("fit", {}), data.get("test", {})
@@ -37,25 +68,36 @@ def collect_rows(sweep_dir: Path, summary_file: str = "results.json") -> list[di
                 test_loss=test.get("test_loss"),
                 test_acc=test.get("test_acc"),
             )
+            if data.get("monitor"):
+                row.update(monitor_columns(data["monitor"]))
         rows.append(row)
     return rows
 
 
-def write_summary(sweep_dir: Path, rows: list[dict[str, Any]]) -> str:
+def markdown_table(rows: list[dict[str, Any]], columns: tuple[str, ...]) -> str:
+    """Rows as a markdown table, with a bold line under it when any row FAILED."""
     def fmt(v: Any) -> str:
-        return f"{v:.4f}" if isinstance(v, float) else ("" if v is None else str(v))
+        return f"{v:.4g}" if isinstance(v, float) else ("" if v is None else str(v))
 
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(fmt(row.get(c)) for c in COLUMNS) + " |" for row in rows]
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(fmt(row.get(c)) for c in columns) + " |" for row in rows]
     failed = sum(row["status"] != "ok" for row in rows)
     if failed:
         lines.append(f"\n**{failed} of {len(rows)} jobs FAILED: this sweep is incomplete.**")
-    table = "\n".join(lines)
-    (sweep_dir / "summary.md").write_text(table + "\n")
-    with open(sweep_dir / "summary.csv", "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=COLUMNS, extrasaction="ignore")
+    return "\n".join(lines)
+
+
+def write_csv(path: Path, rows: list[dict[str, Any]], columns: tuple[str, ...]) -> None:
+    with open(path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=columns, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
+
+
+def write_summary(sweep_dir: Path, rows: list[dict[str, Any]]) -> str:
+    table = markdown_table(rows, COLUMNS)
+    (sweep_dir / "summary.md").write_text(table + "\n")
+    write_csv(sweep_dir / "summary.csv", rows, COLUMNS)
     return table
 
 

@@ -82,7 +82,20 @@ class ParallelDims:
             ("data_parallel_replicate_size", data_parallel_replicate_size),
         ):
             check_degree(name, value)
-        pp = 1 if pipeline_parallel_size == "auto" else pipeline_parallel_size
+        if pipeline_parallel_size == "auto":
+            # "auto" pipeline stages take what the explicit degrees leave (all processes by default).
+            explicit = (1 if data_parallel_size == "auto" else data_parallel_size) * (
+                1 if tensor_parallel_size == "auto" else tensor_parallel_size
+            )
+            if world_size % explicit:
+                raise config_error(
+                    ValueError, "data_parallel_size * tensor_parallel_size", explicit,
+                    f"it must divide the world size {world_size} for pipeline_parallel_size='auto'",
+                    "choose degrees that divide the number of processes",
+                )
+            pp = world_size // explicit
+        else:
+            pp = pipeline_parallel_size
         if tensor_parallel_size == "auto":
             # "auto" tensor parallelism takes the processes the other degrees leave (all, by default).
             others = pp * (1 if data_parallel_size == "auto" else data_parallel_size)

@@ -202,6 +202,7 @@ class HybridParallelStrategy(ParallelStrategy):
         # Takes over the steps when the model is split into pipeline stages (see pipeline_driver.py).
         self._pipeline: Any | None = None
         self._expert_params: list[nn.Parameter] = []
+        self._resume_skip_pending = False  # set when a checkpoint is restored for fit
         self.ddp_bucket_cap_mb = ddp_bucket_cap_mb
         self.find_unused_parameters = find_unused_parameters
         self._save_distributed_checkpoint = save_distributed_checkpoint
@@ -454,11 +455,15 @@ class HybridParallelStrategy(ParallelStrategy):
         """
         from torchmetrics import Metric
 
-        group = self._data_parallel_group()  # None = the world, when every rank is data-parallel
+        pipeline = self.parallel_dims.pp > 1
+        # Under pipeline parallelism only last-stage ranks update metrics (the pipeline driver
+        # replays their step values; a per-step sync there would wait for ranks that never
+        # update), and epoch values sync over the world, where the other ranks add empty states.
+        group = None if pipeline else self._data_parallel_group()
         for metric in module.modules():
             if isinstance(metric, Metric):
                 metric.process_group = group
-                metric.dist_sync_on_step = True
+                metric.dist_sync_on_step = not pipeline
 
     def _install_global_norm_clipping(self) -> None:
         """Route Lightning's norm clipping through the layout-aware global norm."""
@@ -520,8 +525,10 @@ class HybridParallelStrategy(ParallelStrategy):
         if self._pipeline is not None:
             # The schedule already ran backward inside training_step; Lightning's closure zeroed the
             # gradients since (zero_grad runs between step and backward): put them back.
+            assert self.lightning_module is not None
+            closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
             self._pipeline.backward()
-            return closure_loss
+            return self.precision_plugin.post_backward(closure_loss, self.lightning_module)
         result = super().backward(closure_loss, optimizer, *args, **kwargs)
         self._reduce_expert_grads()
         return result
@@ -580,6 +587,16 @@ class HybridParallelStrategy(ParallelStrategy):
         return _sync_ddp_if_available(tensor, group if group is not None else self._data_parallel_group(), reduce_op)
 
     @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """Count over the world: ``reduce`` sums over the data-parallel group only, so Lightning's
+        default (sum == world size) would be False for every decision under tp or pp."""
+        if not _distributed_is_initialized():
+            return decision
+        flag = torch.tensor(int(decision), device=self.root_device)
+        dist.all_reduce(flag, op=dist.ReduceOp.SUM)
+        return bool(flag == self.world_size) if all else bool(flag > 0)
+
+    @override
     def barrier(self, name: str | None = None) -> None:
         if not _distributed_is_initialized():
             return
@@ -610,6 +627,8 @@ class HybridParallelStrategy(ParallelStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         assert self.lightning_module is not None
+        if self._pipeline is not None:  # ranks freed what other stages own: gather from the owners
+            return self._pipeline.model_state(full=not self._save_distributed_checkpoint)
         return ckpt.model_state(self.lightning_module, full=not self._save_distributed_checkpoint)
 
     @override
@@ -631,9 +650,51 @@ class HybridParallelStrategy(ParallelStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
         assert self.lightning_module is not None
+        self._resume_skip_pending = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         return ckpt.load_into(
             self.lightning_module, list(self.optimizers), path, strict=self.lightning_module.strict_loading
         )
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """Resume mid-epoch at the right batch.
+
+        Lightning restores the batch counter of an interrupted epoch but restarts the training
+        dataloader from its first batch, so a run resumed from a mid-epoch checkpoint trains on
+        the epoch's first batches again (Lightning issues #19815, #14579). The loader here skips,
+        once after a restore, the batches the checkpointed run had already consumed; with the
+        sampler's epoch seeding the remaining batches are exactly the ones it would have seen.
+        """
+        if isinstance(dataloader, torch.utils.data.DataLoader) and not hasattr(dataloader, "_lp_resumable"):
+            strategy = self
+            base = type(dataloader)
+
+            def __iter__(loader: Any) -> Any:  # noqa: N807
+                skip = strategy._take_resume_skip(loader)
+                iterator = base.__iter__(loader)
+                for _ in range(skip):
+                    next(iterator)
+                return iterator
+
+            dataloader.__class__ = type(base.__name__, (base,), {"__iter__": __iter__, "_lp_resumable": True})
+        return dataloader
+
+    def _take_resume_skip(self, loader: torch.utils.data.DataLoader) -> int:
+        """Batches of the current epoch already trained on, once, right after a restore.
+
+        The sampler's epoch is set to the epoch being resumed first: after a restore Lightning
+        may seed the first iteration with the previous epoch's shuffle.
+        """
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if not self._resume_skip_pending or trainer is None or not trainer.training:
+            return 0
+        self._resume_skip_pending = False
+        for sampler in (getattr(loader, "sampler", None), getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
+            if hasattr(sampler, "set_epoch"):
+                sampler.set_epoch(trainer.current_epoch)
+        # ``ready`` counts fetched batches; a checkpoint written at a batch end has not yet
+        # marked that batch ``completed``, but it was trained on.
+        return int(trainer.fit_loop.epoch_loop.batch_progress.current.ready)
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:

@@ -30,6 +30,11 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
         "Tensor parallelism (Megatron-style, DTensor) with an automatic plan; all devices by default",
         {"tensor_parallel_size": "auto"},
     ),
+    "pp": (
+        "Pipeline parallelism of an unchanged LightningModule: stages found automatically, 1F1B by default;"
+        " all devices by default",
+        {"pipeline_parallel_size": "auto"},
+    ),
     "ep": (
         "Expert parallelism: MoE experts split over the data-parallel ranks, tokens moved by all-to-all",
         {"expert_parallel_size": "auto"},

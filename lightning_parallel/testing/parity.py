@@ -37,6 +37,8 @@ class FitSpec:
     trainer_kwargs: dict[str, Any] = field(default_factory=dict)
     resume_from: str | None = None  # ckpt_path for trainer.fit
     save_to: str | None = None  # trainer.save_checkpoint after fit
+    checkpoint_every: int = 0  # >0: a ModelCheckpoint writing to ``checkpoint_dir`` every N steps
+    checkpoint_dir: str | None = None
 
 
 def _load(path: str) -> Any:
@@ -120,6 +122,10 @@ def run_fit(spec: FitSpec) -> dict[str, Any]:
     model = _load(spec.model)(**spec.model_kwargs)
     dataset = _load(spec.data)(**spec.data_kwargs)
     recorder = _Recorder()
+    callbacks: list[Any] = [recorder]
+    if spec.checkpoint_every:
+        callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=spec.checkpoint_dir, every_n_train_steps=spec.checkpoint_every,
+                                                      save_top_k=-1))
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=spec.devices,
@@ -128,11 +134,11 @@ def run_fit(spec: FitSpec) -> dict[str, Any]:
         max_epochs=spec.max_epochs,
         use_distributed_sampler=False,
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=bool(spec.checkpoint_every),
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
-        callbacks=[recorder],
+        callbacks=callbacks,
         **spec.trainer_kwargs,
     )
     sampler_kwargs = trainer.strategy.distributed_sampler_kwargs if spec.devices > 1 else {"num_replicas": 1, "rank": 0}

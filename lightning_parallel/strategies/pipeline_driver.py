@@ -1,0 +1,362 @@
+"""``PipelineDriver``: runs an unchanged LightningModule's steps through pipeline stages.
+
+``HybridParallelStrategy`` hands its steps here when ``pipeline_parallel_size > 1``. The engine
+(:mod:`lightning_parallel.parallel.pipeline`) cuts ``forward`` into stages; this file makes the
+user's hooks fit around it (see :mod:`.pipeline_logging` for how the step code runs):
+
+* Configuration is resolved in ``setup()`` on every rank (schedule, virtual stages, microbatch
+  count, the stage plan), so bad input fails before any process sends. The stages are traced
+  lazily from the first real batch, because the traced graph fixes the microbatch shape.
+* ``training_step`` runs the schedule (forward and backward of every microbatch), with the
+  user's ``training_step`` as the per-microbatch loss on the last stage. Lightning's closure
+  then calls ``zero_grad`` before ``backward``: the new gradients are therefore stashed, the
+  ones that were there restored, and ``backward()`` adds the stash back (this also keeps
+  ``accumulate_grad_batches`` right, where ``zero_grad`` runs on a window's first batch only).
+  The loss returned to Lightning is the full-batch value on every rank, as a fresh leaf.
+* Data parallel x pipeline (ZeRO stage 0): each stage's gradients are averaged over its
+  data-parallel peers after the schedule (the strategy's sampler already shards the data).
+* Each rank keeps only the parameters its stages use (:meth:`PipelineRuntime.release_non_owned`):
+  the optimizer, built from ``module.parameters()``, skips the others (their grad stays None).
+* Validation, test and predict run a forward-only pipe; the hook runs once on the last stage
+  with the merged output and its return value and logs are broadcast to every stage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import Tensor, nn
+
+from lightning_parallel.parallel.dims import DP, PP
+from lightning_parallel.parallel.errors import config_error
+from lightning_parallel.parallel.pipeline import PipelineRuntime, build_pipeline
+from lightning_parallel.parallel.pipeline_plan import PipelinePlan, plan_pipeline
+from lightning_parallel.parallel.pipeline_schedules import (
+    ScheduleSpec,
+    batch_size_of,
+    check_microbatches,
+    resolve_virtual_stages,
+    schedule_spec,
+)
+from lightning_parallel.strategies.pipeline_logging import (
+    LogCapture,
+    LogRecord,
+    StepDone,
+    count_forward_calls,
+    detached_cpu,
+    forward_twice_error,
+    patched,
+    probe_forward_inputs,
+    reduce_microbatch_logs,
+    replay_logs,
+    slice_batch,
+    to_device,
+    training_loss,
+)
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """Everything decided before the first batch, identically on every rank."""
+
+    spec: ScheduleSpec
+    virtual_stages: int
+    microbatches: int
+    plan: PipelinePlan
+
+
+def auto_microbatches(spec: ScheduleSpec, pp: int) -> int:
+    """``microbatches="auto"``: one per rank (at least 2), so 1F1B's warm-up fills the pipeline;
+    two per rank for the V schedules, whose 2 x pp stages each need a microbatch in flight."""
+    return 2 * pp if spec.style == "v" else max(2, pp)
+
+
+def resolve_pipeline_config(
+    module: nn.Module,
+    pp: int,
+    schedule: Any,
+    microbatches: Any,
+    virtual_stages: Any,
+    split_points: list[str] | None,
+    *,
+    zero_stage: int = 0,
+    tp: int = 1,
+    ep: int = 1,
+    mixed_precision: str | None = None,
+    activation_checkpointing: bool = False,
+) -> PipelineConfig:
+    """Validate the pipeline options and plan the stages (no process group, no collective)."""
+    unsupported = [
+        ("zero_stage", zero_stage, zero_stage >= 1, "use zero_stage=0 (gradients are averaged over the data-parallel ranks)"),
+        ("tensor_parallel_size", tp, tp > 1, "use tensor_parallel_size=1 with pipeline parallelism"),
+        ("expert_parallel_size", ep, ep > 1, "use expert_parallel_size=1 with pipeline parallelism"),
+        ("mixed_precision", mixed_precision, mixed_precision is not None, "train in fp32 (precision='32-true')"),
+        ("activation_checkpointing", activation_checkpointing, activation_checkpointing, "use activation_checkpointing=False"),
+    ]
+    for name, value, bad, fix in unsupported:
+        if bad:
+            raise config_error(ValueError, name, value, f"it is not supported together with pipeline_parallel_size={pp} yet", fix)
+    spec = schedule_spec(schedule)
+    v = resolve_virtual_stages(spec, virtual_stages)
+    m = auto_microbatches(spec, pp) if microbatches == "auto" else microbatches
+    check_microbatches(spec, pp, v, m)
+    plan = plan_pipeline(module, pp, v, style=spec.style, split_points=split_points)
+    return PipelineConfig(spec, v, m, plan)
+
+
+@dataclass
+class _TrainStep:
+    """The batch being trained, for the loss function the schedule calls per microbatch."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    batch_size: int
+    accumulate: int
+    records: list[tuple[list[LogRecord], int]] = field(default_factory=list)
+
+
+class PipelineDriver:
+    """Drives ``strategy``'s steps for ``module`` split into pipeline stages (see the module docstring)."""
+
+    def __init__(self, strategy: Any, module: pl.LightningModule) -> None:
+        self.strategy, self.module = strategy, module
+        dims = strategy.parallel_dims
+        self.dims = dims
+        self.config = resolve_pipeline_config(
+            module,
+            dims.pp,
+            strategy.pipeline_schedule,
+            strategy.microbatches,
+            strategy.virtual_stages,
+            strategy.split_points,
+            zero_stage=strategy.zero_stage,
+            tp=dims.tp,
+            ep=dims.ep,
+            mixed_precision=strategy.mixed_precision,
+            activation_checkpointing=strategy.activation_checkpointing,
+        )
+        self.group = dims.axis(PP).get_group()
+        self._dp_group = dims.axis(DP).get_group() if dims.dp > 1 else None
+        self._last_rank = dist.get_global_rank(self.group, self.config.plan.stages[-1].rank)
+        self._runtime: PipelineRuntime | None = None
+        self._step: _TrainStep | None = None
+        self._stash: list[tuple[nn.Parameter, Tensor]] = []
+        self._keepers: dict[str, int] = {}
+        rank_zero_info(self.config.plan.table())
+
+    # ------------------------------------------------------------------ state
+    @property
+    def runtime(self) -> PipelineRuntime:
+        if self._runtime is None:
+            raise RuntimeError("The pipeline stages are traced from the first batch; no step has run yet.")
+        return self._runtime
+
+    @property
+    def device(self) -> torch.device:
+        return self.strategy.root_device
+
+    def _build(self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Trace and build the stages from this batch, then free what other stages own."""
+        calls = count_forward_calls(self.module, hook, args, kwargs)
+        if calls > 1:
+            raise forward_twice_error(hook)
+        probe = probe_forward_inputs(self.module, hook, args, kwargs)
+        if isinstance(probe, StepDone):
+            return  # nothing to trace from this hook; a later one will
+        self._check_batch(hook, probe, traced=None)
+        cfg = self.config
+        self._runtime = build_pipeline(
+            self.module,
+            probe[0],
+            probe[1],
+            plan=cfg.plan,
+            schedule=cfg.spec,
+            microbatches=cfg.microbatches,
+            loss_fn=self._loss,
+            group=self.group,
+            device=self.device,
+        )
+        self._runtime.release_non_owned()
+        released: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(released, sorted(self._runtime.released), group=self.group)
+        names = [n for n, _ in (*self.module.named_parameters(), *self.module.named_buffers())]
+        self._keepers = {n: min(r for r, gone in enumerate(released) if n not in gone) for n in names}
+
+    def _check_batch(self, hook: str, probe: tuple[tuple[Any, ...], dict[str, Any]], traced: int | None) -> None:
+        size = batch_size_of(*probe)
+        m = self.config.microbatches
+        if size % m:
+            raise config_error(
+                ValueError,
+                "batch_size",
+                size,
+                f"{hook} feeds forward batches that are cut into microbatches={m} equal parts, so it must be divisible by {m}",
+                "choose a batch size that is a multiple of microbatches and set drop_last=True on the DataLoader",
+            )
+        if traced is not None and size != traced:
+            raise config_error(
+                ValueError,
+                "batch_size",
+                size,
+                f"the pipeline stages were traced for batches of {traced} rows and traced stages have fixed shapes; "
+                f"{hook} received {size}",
+                "give every DataLoader (train, val, test, predict) the same batch size and drop_last=True "
+                "(Trainer: keep the last smaller batch out)",
+            )
+
+    def _ready(self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | StepDone:
+        if self._runtime is None:
+            self._build(hook, args, kwargs)
+        probe = probe_forward_inputs(self.module, hook, args, kwargs)
+        if not isinstance(probe, StepDone):
+            assert self._runtime is not None, "_build traces whenever the probe finds a forward call"
+            self._check_batch(hook, probe, self._runtime.microbatch_size * self.config.microbatches)
+        return probe
+
+    def _broadcast(self, obj: Any) -> Any:
+        box = [detached_cpu(obj) if self.runtime.holds_last else None]
+        dist.broadcast_object_list(box, src=self._last_rank, group=self.group)
+        return to_device(box[0], self.device)
+
+    def _with_output(self, hook: str, out: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, LogCapture]:
+        """Run the user's ``hook`` with ``forward`` returning ``out`` (the last stage's output)."""
+        capture = LogCapture(self.module)
+        calls = [0]
+
+        def forward(*_: Any, **__: Any) -> Any:
+            calls[0] += 1
+            if calls[0] > 1:
+                raise forward_twice_error(hook)
+            return out
+
+        with patched(self.module, forward=forward, log=capture):
+            result = getattr(self.module, hook)(*args, **kwargs)
+        return result, capture
+
+    # ------------------------------------------------------------------ training
+    def _loss(self, out: Any, rows: Tensor) -> Tensor:
+        """The schedule's loss: the user's training_step on microbatch ``rows``, forward returning ``out``."""
+        step = self._step
+        assert step is not None, "the schedule called the loss outside a training step"
+        batch = slice_batch(step.args[0], rows, step.batch_size)
+        result, capture = self._with_output("training_step", out, (batch, *step.args[1:]), step.kwargs)
+        step.records.append((capture.records, int(rows.numel())))
+        # Lightning divides the closure loss by accumulate_grad_batches before backward; the
+        # schedule's backward starts here, so the division happens here.
+        return training_loss(result) / step.accumulate
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
+        """One batch through the schedule; returns the full-batch loss (a leaf) on every rank."""
+        module = self.module
+        if not module.automatic_optimization:
+            raise config_error(
+                ValueError, "automatic_optimization", False, "the pipeline schedule runs backward itself", "use automatic optimization with pipeline parallelism"
+            )
+        probe = self._ready("training_step", args, kwargs)
+        if isinstance(probe, StepDone):
+            raise config_error(
+                ValueError, "training_step", "never calls forward", "the pipeline stages are the model's forward; a step that does not call it has nothing to run", "call self(...) in training_step"
+            )
+        runtime = self.runtime
+        accumulate = int(module.trainer.accumulate_grad_batches) if module._trainer is not None else 1
+        params = runtime.owned_parameters()
+        previous = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        self._step = _TrainStep(args, kwargs, batch_size_of(*probe), accumulate)
+        try:
+            loss = runtime.train_step(*probe[0], **probe[1])
+            self._average_over_data_parallel(params)
+            records = reduce_microbatch_logs(self._step.records) if runtime.holds_last else None
+        finally:
+            self._step = None
+            self._stash = [(p, p.grad) for p in params if p.grad is not None]
+            for p, g in zip(params, previous):
+                p.grad = g
+        replay_logs(module, self._broadcast(records), self.device)
+        return (loss * accumulate).to(self.device).detach().requires_grad_(True)
+
+    @torch.no_grad()
+    def _average_over_data_parallel(self, params: list[nn.Parameter]) -> None:
+        """Mean of the new gradients over the stage's data-parallel peers (one flat all-reduce)."""
+        if self._dp_group is None:
+            return
+        grads = [p.grad for p in params if p.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self._dp_group)
+        flat /= dist.get_world_size(self._dp_group)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    def backward(self) -> None:
+        """Add the gradients of the last training step back (Lightning zeroed ``.grad`` in between)."""
+        for p, g in self._stash:
+            p.grad = g if p.grad is None else p.grad.add_(g)
+        self._stash = []
+
+    def clip_grad_norm_(self, max_norm: float) -> Tensor | None:
+        """Clip by the global norm over every stage (the dp peers hold identical averaged gradients)."""
+        return self._runtime.clip_grad_norm_(max_norm) if self._runtime is not None else None
+
+    # ------------------------------------------------------------------ evaluation
+    def eval_step(self, hook: str, *args: Any, **kwargs: Any) -> Any:
+        """``validation_step``/``test_step``/``predict_step`` through the forward-only pipe."""
+        probe = self._ready(hook, args, kwargs)
+        if isinstance(probe, StepDone):  # the hook does not use the model: it ran already, everywhere
+            replay_logs(self.module, probe.records, self.device)
+            return probe.result
+        out = self.runtime.eval_step(*probe[0], **probe[1])
+        payload = None
+        if self.runtime.holds_last:
+            result, capture = self._with_output(hook, out, args, kwargs)
+            payload = (result, capture.records)
+        result, records = self._broadcast(payload)
+        replay_logs(self.module, records, self.device)
+        return result
+
+    # ------------------------------------------------------------------ full tensors
+    def gather_state(self, parameters_only: bool = False) -> dict[str, Tensor]:
+        """Every parameter (and buffer) as a full tensor on every pipeline rank, from the rank keeping it.
+
+        A collective over the pipeline group. Why: ranks free what their stages do not use, so a
+        full state dict (checkpoint, parity check) must come from the owners.
+        """
+        named = list(self.module.named_parameters())
+        if not parameters_only:
+            named += list(self.module.named_buffers())
+        runtime = self._runtime
+        out: dict[str, Tensor] = {}
+        for name, tensor in named:
+            if runtime is None or name not in self._keepers:
+                out[name] = tensor.detach().clone()
+                continue
+            shape = runtime.released.get(name, tensor.shape)
+            value = tensor.detach().clone() if name not in runtime.released else torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
+            dist.broadcast(value, src=dist.get_global_rank(self.group, self._keepers[name]), group=self.group)
+            out[name] = value
+        return out
+
+    def model_state(self, full: bool = True) -> dict[str, Any]:
+        """The LightningModule's state dict with every tensor full (gathered from its owner), on every rank.
+
+        What ``HybridParallelStrategy.lightning_module_state_dict`` should return under pipeline
+        parallelism: its default reads the freed copies. Identical full tensors on every rank
+        also suit the sharded (DCP) format, which keeps one copy of replicated tensors.
+        """
+        gathered = self.gather_state()
+        by_id = {id(t): n for n, t in (*self.module.named_parameters(), *self.module.named_buffers())}
+        state = self.module.state_dict(keep_vars=True)
+        out = {}
+        for key, value in state.items():
+            tensor = gathered[by_id[id(value)]] if id(value) in by_id else value.detach()
+            out[key] = tensor.cpu() if full else tensor
+        return out

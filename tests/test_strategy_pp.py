@@ -20,7 +20,6 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader
 from torchmetrics.classification import MulticlassAccuracy
 
-from lightning_parallel import HybridParallelStrategy
 from lightning_parallel.models import GPT, MLPClassifier
 from lightning_parallel.strategies.pipeline_driver import auto_microbatches, resolve_pipeline_config
 from lightning_parallel.strategies.pipeline_logging import (

@@ -53,20 +53,14 @@ from lightning_parallel.parallel.activation_checkpointing import apply_activatio
 from lightning_parallel.parallel.blocks import find_repeated_blocks
 from lightning_parallel.parallel.clip import clip_grad_norm_
 from lightning_parallel.parallel.data_parallel import apply_ddp, apply_fsdp, fsdp_modules, mixed_precision_dtype
-from lightning_parallel.nn.moe import (
-    MoE,
-    clear_moe_stats,
-    collect_moe_losses,
-    collect_moe_stats,
-    set_moe_loss_coefs,
-    set_moe_stats_group,
-)
-from lightning_parallel.parallel.dims import DP, EDP, EP, TP, Degree, ParallelDims
-from lightning_parallel.parallel.expert_parallel import apply_expert_parallel, find_expert_modules, validate_expert_parallel
+from lightning_parallel.parallel.dims import DP, EDP, TP, Degree, ParallelDims
+from lightning_parallel.parallel.expert_parallel import validate_expert_parallel
 from lightning_parallel.parallel.tensor_parallel import apply_tensor_parallel
 from lightning_parallel.parallel.tp_plan import TensorParallelPlan, resolve_tp_plan
 from lightning_parallel.parallel.zero import shard_optimizer_state
 from lightning_parallel.strategies import checkpoint as ckpt
+from lightning_parallel.strategies.experts import add_moe_losses, apply_experts, reduce_expert_grads
+from lightning_parallel.strategies.resume import consumed_batches, make_resumable
 from lightning_parallel.strategies.options import as_timedelta, validate_options
 
 
@@ -377,7 +371,7 @@ class HybridParallelStrategy(ParallelStrategy):
             assert self._tp_resolved is not None
             rank_zero_info(f"Tensor-parallel plan ({self._tp_resolved.source}):\n{self._tp_resolved.table()}")
             apply_tensor_parallel(module, dims.axis(TP), self._tp_resolved, sequence_parallel=self.sequence_parallel)
-        experts = self._apply_expert_parallel(module)
+        experts, self._expert_params = apply_experts(module, dims, self.moe_aux_loss_coef, self.moe_z_loss_coef)
         if self.activation_checkpointing:
             self._checkpointed_blocks = apply_activation_checkpointing(module, blocks)
         if dims.dp > 1 and (self.zero_stage >= 2 or dims.tp > 1):
@@ -395,7 +389,7 @@ class HybridParallelStrategy(ParallelStrategy):
             )
             return root
         if dims.dp > 1:
-            if self._expert_params:  # averaged over edp by _reduce_expert_grads, not by DDP over dp
+            if self._expert_params:  # averaged over edp by reduce_expert_grads, not by DDP over dp
                 names = [n for n, p in module.named_parameters() if any(p is q for q in self._expert_params)]
                 DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names)
             return apply_ddp(
@@ -405,32 +399,6 @@ class HybridParallelStrategy(ParallelStrategy):
                 find_unused_parameters=self.find_unused_parameters,
             )
         return module
-
-    def _apply_expert_parallel(self, module: nn.Module) -> dict[str, nn.Module]:
-        """Shard experts over ``ep``; MoE balance losses use global-batch statistics over ``dp``."""
-        dims = self.parallel_dims
-        if self.moe_aux_loss_coef is not None or self.moe_z_loss_coef is not None:
-            set_moe_loss_coefs(module, aux=self.moe_aux_loss_coef, z=self.moe_z_loss_coef)
-        if dims.ep == 1:
-            if dims.dp > 1 and any(isinstance(m, MoE) for m in module.modules()):
-                set_moe_stats_group(module, dims.axis(DP).get_group())
-            return {}
-        experts = find_expert_modules(module)
-        names = set(apply_expert_parallel(module, dims.axis(EP), dims.axis(DP)))
-        self._expert_params = [p for n, p in module.named_parameters() if n in names]
-        return experts
-
-    def _reduce_expert_grads(self) -> None:
-        """DDP path: expert gradients are averaged over the ranks holding the same experts (edp)."""
-        dims = self.parallel_dims
-        if not self._expert_params or dims.dp // dims.ep == 1 or not isinstance(self.model, DistributedDataParallel):
-            return
-        group = dims.axis(EDP).get_group()
-        for param in self._expert_params:
-            if param.grad is not None:
-                grad = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad
-                dist.all_reduce(grad, group=group)
-                grad.div_(dims.dp // dims.ep)
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
@@ -497,28 +465,7 @@ class HybridParallelStrategy(ParallelStrategy):
             return self._pipeline.training_step(*args, **kwargs)
         with self._autocast():
             output = super().training_step(*args, **kwargs)
-        return self._add_moe_losses(output)
-
-    def _add_moe_losses(self, output: Any) -> Any:
-        """MoE auxiliary losses join the loss Lightning backpropagates; ``training_step`` stays unchanged.
-
-        The user's logged loss stays the task loss; ``moe_aux_loss`` / ``moe_z_loss`` and the
-        per-expert token counts are logged beside it (already global: no sync needed).
-        """
-        module = self.lightning_module
-        assert module is not None
-        losses = collect_moe_losses(module)
-        if not losses:
-            return output
-        loss = output["loss"] if isinstance(output, dict) else output
-        if not isinstance(loss, Tensor):
-            return output
-        for key in ("moe_aux_loss", "moe_z_loss"):
-            module.log(key, losses[key].detach())
-        module.log_dict(collect_moe_stats(module))
-        clear_moe_stats(module)
-        total = loss + losses["moe_loss"]
-        return {**output, "loss": total} if isinstance(output, dict) else total
+        return add_moe_losses(self.lightning_module, output)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
@@ -530,7 +477,8 @@ class HybridParallelStrategy(ParallelStrategy):
             self._pipeline.backward()
             return self.precision_plugin.post_backward(closure_loss, self.lightning_module)
         result = super().backward(closure_loss, optimizer, *args, **kwargs)
-        self._reduce_expert_grads()
+        if isinstance(self.model, DistributedDataParallel):  # FSDP2 reduces experts over edp itself
+            reduce_expert_grads(self._expert_params, self.parallel_dims)
         return result
 
     @override
@@ -657,44 +605,15 @@ class HybridParallelStrategy(ParallelStrategy):
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        """Resume mid-epoch at the right batch.
+        """Resume mid-epoch at the right batch (see :mod:`lightning_parallel.strategies.resume`)."""
+        return make_resumable(dataloader, self._batches_to_skip)
 
-        Lightning restores the batch counter of an interrupted epoch but restarts the training
-        dataloader from its first batch, so a run resumed from a mid-epoch checkpoint trains on
-        the epoch's first batches again (Lightning issues #19815, #14579). The loader here skips,
-        once after a restore, the batches the checkpointed run had already consumed; with the
-        sampler's epoch seeding the remaining batches are exactly the ones it would have seen.
-        """
-        if isinstance(dataloader, torch.utils.data.DataLoader) and not hasattr(dataloader, "_lp_resumable"):
-            strategy = self
-            base = type(dataloader)
-
-            def __iter__(loader: Any) -> Any:  # noqa: N807
-                skip = strategy._take_resume_skip(loader)
-                iterator = base.__iter__(loader)
-                for _ in range(skip):
-                    next(iterator)
-                return iterator
-
-            dataloader.__class__ = type(base.__name__, (base,), {"__iter__": __iter__, "_lp_resumable": True})
-        return dataloader
-
-    def _take_resume_skip(self, loader: torch.utils.data.DataLoader) -> int:
-        """Batches of the current epoch already trained on, once, right after a restore.
-
-        The sampler's epoch is set to the epoch being resumed first: after a restore Lightning
-        may seed the first iteration with the previous epoch's shuffle.
-        """
+    def _batches_to_skip(self, loader: torch.utils.data.DataLoader) -> int:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if not self._resume_skip_pending or trainer is None or not trainer.training:
             return 0
         self._resume_skip_pending = False
-        for sampler in (getattr(loader, "sampler", None), getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
-            if hasattr(sampler, "set_epoch"):
-                sampler.set_epoch(trainer.current_epoch)
-        # ``ready`` counts fetched batches; a checkpoint written at a batch end has not yet
-        # marked that batch ``completed``, but it was trained on.
-        return int(trainer.fit_loop.epoch_loop.batch_progress.current.ready)
+        return consumed_batches(trainer, loader)
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:

@@ -136,9 +136,26 @@ def test_more_stages_than_blocks_is_an_error() -> None:
 
 
 def test_model_without_block_stack_asks_for_split_points() -> None:
-    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.LayerNorm(4))
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
     with pytest.raises(ValueError, match="no repeated block stack.*HINT: name the first module of each stage with split_points"):
         plan_pipeline(model, 2)
+
+
+class _SeedNaive(nn.Module):
+    """The seeds' naive model-parallel example: three named layers, no container."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = nn.Linear(1000, 500), nn.Linear(500, 100), nn.Linear(100, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc3(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
+
+
+def test_top_level_layers_are_cut_when_there_is_no_stack() -> None:
+    plan = plan_pipeline(_SeedNaive(), 2)
+    assert [list(stage.modules) for stage in plan.stages] == [["fc1"], ["fc2", "fc3"]]  # balanced by parameters
+    assert plan.split_points == ("fc2",)
 
 
 class _HFLikeBase(nn.Module):

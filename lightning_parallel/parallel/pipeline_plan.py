@@ -222,11 +222,17 @@ def plan_pipeline(
         blocks_list = declared if declared is not None else [name for name, _ in find_repeated_blocks(module)]
         source = "base_model_pp_plan" if declared is not None else "repeated blocks"
         if not blocks_list:
+            # No stack (e.g. the seeds' fc1/fc2/fc3 model): its top-level layers, in definition order.
+            blocks_list = [name for name, child in module.named_children() if _num_params(child) > 0]
+            blocks_list = blocks_list if len(blocks_list) >= 2 else []
+            source = "top-level layers"
+        if not blocks_list:
             raise config_error(
                 ValueError,
                 "module",
                 type(module).__name__,
-                "no repeated block stack (an nn.ModuleList or nn.Sequential of same-class layers) to cut into stages",
+                "no repeated block stack (an nn.ModuleList or nn.Sequential of same-class layers) and fewer than"
+                " two top-level layers with parameters to cut into stages",
                 'name the first module of each stage with split_points=["...", ...]',
             )
         if len(blocks_list) < num_stages:

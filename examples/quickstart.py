@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import lightning_parallel  # noqa: F401  (registers dp, zero1, zero2, zero3, fsdp2, zero3_offload, hsdp, tp)
+import lightning_parallel  # noqa: F401  (registers dp, zero1, zero2, zero3, fsdp2, zero3_offload, hsdp, tp, pp, ep)
 
 
 class SeedModel(pl.LightningModule):

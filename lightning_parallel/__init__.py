@@ -1,7 +1,7 @@
 """lightning_parallel: Lightning strategies for data, ZeRO/FSDP2, tensor, pipeline, expert and 3D parallelism.
 
 Importing the package registers the strategy names (``dp``, ``zero1``, ``zero2``, ``zero3``,
-``fsdp2``, ``zero3_offload``, ``hsdp`` ...) in Lightning's ``StrategyRegistry`` so that
+``fsdp2``, ``zero3_offload``, ``hsdp``, ``tp``, ``pp``, ``ep``) in Lightning's ``StrategyRegistry`` so that
 ``Trainer(strategy="zero3")`` works with an unchanged LightningModule.
 """
 

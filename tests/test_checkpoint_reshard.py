@@ -175,10 +175,11 @@ def test_resume_expert_parallel_on_one_process(tmp_path: Path) -> None:
 def test_exact_resume_from_mid_epoch_model_checkpoints(tmp_path: Path, layout: dict[str, Any]) -> None:
     """ModelCheckpoint every 2 steps in 3-batch epochs: steps 2 and 4 are mid-epoch. Resuming from
     either continues with exactly the losses of the uninterrupted run (Lightning alone would
-    restart the epoch's data from its first batch)."""
-    full = dataclasses.replace(TINY, strategy=_strategy(layout, True), checkpoint_every=2, checkpoint_dir=str(tmp_path))
+    restart the epoch's data from its first batch). Dropout makes each rank's RNG stream matter."""
+    spec = dataclasses.replace(TINY, model_kwargs={**TINY.model_kwargs, "dropout": 0.3})
+    full = dataclasses.replace(spec, strategy=_strategy(layout, True), checkpoint_every=2, checkpoint_dir=str(tmp_path))
     uninterrupted = _run([full], 2)[0]
-    resumes = [dataclasses.replace(TINY, strategy=_strategy(layout, True), resume_from=str(tmp_path / name))
+    resumes = [dataclasses.replace(spec, strategy=_strategy(layout, True), resume_from=str(tmp_path / name))
                for name in ("epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt")]
     for start, result in zip((2, 4), _run(resumes, 2)):
         torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(uninterrupted["losses"][start:]),

@@ -10,23 +10,24 @@ from torchmetrics.classification import MulticlassAccuracy
 
 
 class Block(nn.Module):
-    def __init__(self, width: int) -> None:
+    def __init__(self, width: int, dropout: float = 0.0) -> None:
         super().__init__()
         self.fc = nn.Linear(width, width)
+        self.drop = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + torch.tanh(self.fc(x))
+        return x + self.drop(torch.tanh(self.fc(x)))
 
 
 class TinyNet(pl.LightningModule):
     """Stem, a stack of identical residual blocks, a head: SGD, logs loss and a torchmetrics metric."""
 
     def __init__(self, in_dim: int = 16, width: int = 32, depth: int = 3, num_classes: int = 4, lr: float = 0.5,
-                 momentum: float = 0.0) -> None:
+                 momentum: float = 0.0, dropout: float = 0.0) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.stem = nn.Linear(in_dim, width)
-        self.blocks = nn.ModuleList([Block(width) for _ in range(depth)])
+        self.blocks = nn.ModuleList([Block(width, dropout) for _ in range(depth)])
         self.head = nn.Linear(width, num_classes)
         self.train_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
 

@@ -60,7 +60,13 @@ from lightning_parallel.parallel.tp_plan import TensorParallelPlan, resolve_tp_p
 from lightning_parallel.parallel.zero import shard_optimizer_state
 from lightning_parallel.strategies import checkpoint as ckpt
 from lightning_parallel.strategies.experts import add_moe_losses, apply_experts, reduce_expert_grads
-from lightning_parallel.strategies.resume import consumed_batches, make_resumable
+from lightning_parallel.strategies.resume import (
+    RNG_KEY,
+    consumed_batches,
+    gather_rng_states,
+    make_resumable,
+    restore_rng_state,
+)
 from lightning_parallel.strategies.options import as_timedelta, validate_options
 
 
@@ -197,6 +203,7 @@ class HybridParallelStrategy(ParallelStrategy):
         self._pipeline: Any | None = None
         self._expert_params: list[nn.Parameter] = []
         self._resume_skip_pending = False  # set when a checkpoint is restored for fit
+        self._resume_rng: list[dict[str, Any]] | None = None
         self.ddp_bucket_cap_mb = ddp_bucket_cap_mb
         self.find_unused_parameters = find_unused_parameters
         self._save_distributed_checkpoint = save_distributed_checkpoint
@@ -589,6 +596,7 @@ class HybridParallelStrategy(ParallelStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         path = Path(self.broadcast(str(filepath)))
+        checkpoint[RNG_KEY] = gather_rng_states()
         if self._save_distributed_checkpoint:
             ckpt.save_sharded(checkpoint, path, zero1=self.zero_stage == 1 and self.parallel_dims.dp > 1)
         else:
@@ -598,15 +606,19 @@ class HybridParallelStrategy(ParallelStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
         assert self.lightning_module is not None
-        self._resume_skip_pending = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
-        return ckpt.load_into(
-            self.lightning_module, list(self.optimizers), path, strict=self.lightning_module.strict_loading
-        )
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        self._resume_skip_pending = fitting
+        loaded = ckpt.load_into(self.lightning_module, list(self.optimizers), path, strict=self.lightning_module.strict_loading)
+        # Restored now (right for a checkpoint at an epoch end) and again once a mid-epoch resume
+        # has created its data iterator, which draws from the RNG where the saved run did not.
+        self._resume_rng = loaded.get(RNG_KEY) if fitting else None
+        restore_rng_state(self._resume_rng)
+        return loaded
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
         """Resume mid-epoch at the right batch (see :mod:`lightning_parallel.strategies.resume`)."""
-        return make_resumable(dataloader, self._batches_to_skip)
+        return make_resumable(dataloader, self._batches_to_skip, lambda _: restore_rng_state(self._resume_rng))
 
     def _batches_to_skip(self, loader: torch.utils.data.DataLoader) -> int:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None

@@ -72,7 +72,9 @@ from lightning_parallel.strategies.options import as_timedelta, validate_options
 
 # A module is parallelised in place once (fully_shard and checkpoint hooks cannot be applied
 # twice); fit then test on one Trainer, or a second Trainer with the same layout, reuse it.
-_PARALLELIZED: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[Any, ...], nn.Module, Any]] = weakref.WeakKeyDictionary()
+_PARALLELIZED: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[Any, ...], nn.Module, Any, list[nn.Parameter]]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 class _StepWrapper(nn.Module):
@@ -351,7 +353,7 @@ class HybridParallelStrategy(ParallelStrategy):
         """Apply the layout once per module; a later setup with the same layout reuses it."""
         signature = self._layout_signature()
         if module in _PARALLELIZED:
-            previous, root, self._pipeline = _PARALLELIZED[module]
+            previous, root, self._pipeline, self._expert_params = _PARALLELIZED[module]
             if previous != signature:
                 raise RuntimeError(
                     f"This {type(module).__name__} was already parallelised with layout {previous}; it cannot be"
@@ -360,7 +362,7 @@ class HybridParallelStrategy(ParallelStrategy):
                 )
             return root
         root = self._apply_layout(module)
-        _PARALLELIZED[module] = (signature, root, self._pipeline)
+        _PARALLELIZED[module] = (signature, root, self._pipeline, self._expert_params)
         return root
 
     def _apply_layout(self, module: pl.LightningModule) -> nn.Module:

@@ -171,7 +171,11 @@ def _grad_to_param_layout(param: torch.Tensor) -> None:
 
 
 def apply_tensor_parallel(
-    module: nn.Module, tp_mesh: DeviceMesh, plan: TensorParallelPlan, sequence_parallel: bool = False
+    module: nn.Module,
+    tp_mesh: DeviceMesh,
+    plan: TensorParallelPlan,
+    sequence_parallel: bool = False,
+    loss_parallel: bool = False,
 ) -> None:
     """Parallelise ``module`` in place over the 1-D ``tp_mesh`` following ``plan``.
 
@@ -180,6 +184,8 @@ def apply_tensor_parallel(
     are used. Build the optimizer after this call: the parameters are new DTensor objects.
     """
     check_tensor_parallel(module, tp_mesh, plan, sequence_parallel)
+    if loss_parallel:
+        raise NotImplementedError("loss_parallel=True is not implemented yet. HINT: set loss_parallel=False")
     styles = _styles(plan, sequence_parallel)
     ties = _ties(module, set(styles))
     parallelize_module(module, tp_mesh, styles)

@@ -56,6 +56,7 @@ from lightning_parallel.parallel.data_parallel import apply_ddp, apply_fsdp, fsd
 from lightning_parallel.parallel.dims import DP, EDP, TP, Degree, ParallelDims
 from lightning_parallel.parallel.expert_parallel import validate_expert_parallel
 from lightning_parallel.parallel.tensor_parallel import apply_tensor_parallel
+from lightning_parallel.parallel.tp_loss import sharded_logits_step
 from lightning_parallel.parallel.tp_plan import TensorParallelPlan, resolve_tp_plan
 from lightning_parallel.parallel.zero import shard_optimizer_state
 from lightning_parallel.strategies import checkpoint as ckpt
@@ -109,6 +110,9 @@ class HybridParallelStrategy(ParallelStrategy):
             declared plan and the inferred one.
         strict_plan: a module that cannot be split by ``tensor_parallel_size`` is an error, not a warning.
         sequence_parallel: shard norms and dropout along the sequence between tensor-parallel regions.
+        loss_parallel: keep the LM head's logits sharded over the vocabulary inside the steps and compute
+            ``F.cross_entropy`` on the shards (``torch``'s ``loss_parallel``), never gathering the full
+            logits for the loss; what else the step may do with the logits: :mod:`~lightning_parallel.parallel.tp_loss`.
         pipeline_schedule: ``gpipe``, ``1f1b``, ``interleaved_1f1b``, ``looped_bfs``, ``interleaved_zb``,
             ``zbv`` or ``dualpipev``.
         microbatches: microbatches per batch (``"auto"``: the number of stages, at least 2).
@@ -141,6 +145,7 @@ class HybridParallelStrategy(ParallelStrategy):
         tp_plan: dict[str, str] | None = None,
         strict_plan: bool = False,
         sequence_parallel: bool = False,
+        loss_parallel: bool = False,
         pipeline_schedule: str = "1f1b",
         microbatches: int | Literal["auto"] = "auto",
         virtual_stages: int | Literal["auto"] = "auto",
@@ -177,6 +182,7 @@ class HybridParallelStrategy(ParallelStrategy):
             strict_plan=strict_plan,
             sequence_parallel=sequence_parallel,
             tp_plan=tp_plan,
+            loss_parallel=loss_parallel,
         )
         super().__init__(
             accelerator=accelerator,
@@ -194,6 +200,7 @@ class HybridParallelStrategy(ParallelStrategy):
         self.tp_plan = dict(tp_plan) if tp_plan else None
         self.strict_plan = strict_plan
         self.sequence_parallel = sequence_parallel
+        self.loss_parallel = loss_parallel
         self._tp_resolved: TensorParallelPlan | None = None
         self.pipeline_schedule = pipeline_schedule
         self.microbatches = microbatches
@@ -347,7 +354,7 @@ class HybridParallelStrategy(ParallelStrategy):
         plan = tuple(sorted(self.tp_plan.items())) if self.tp_plan else None
         pipeline = (self.pipeline_schedule, self.microbatches, self.virtual_stages, tuple(self.split_points or ()))
         return (dims.shape, dims.ep, self.zero_stage, self.cpu_offload, self.mixed_precision,
-                self.activation_checkpointing, plan, self.sequence_parallel, pipeline)
+                self.activation_checkpointing, plan, self.sequence_parallel, self.loss_parallel, pipeline)
 
     def _parallelize(self, module: pl.LightningModule) -> nn.Module:
         """Apply the layout once per module; a later setup with the same layout reuses it."""
@@ -379,7 +386,9 @@ class HybridParallelStrategy(ParallelStrategy):
             self._resolve_plans()
             assert self._tp_resolved is not None
             rank_zero_info(f"Tensor-parallel plan ({self._tp_resolved.source}):\n{self._tp_resolved.table()}")
-            apply_tensor_parallel(module, dims.axis(TP), self._tp_resolved, sequence_parallel=self.sequence_parallel)
+            apply_tensor_parallel(
+                module, dims.axis(TP), self._tp_resolved, sequence_parallel=self.sequence_parallel, loss_parallel=self.loss_parallel
+            )
         experts, self._expert_params = apply_experts(module, dims, self.moe_aux_loss_coef, self.moe_z_loss_coef)
         if self.activation_checkpointing:
             self._checkpointed_blocks = apply_activation_checkpointing(module, blocks)
@@ -472,8 +481,8 @@ class HybridParallelStrategy(ParallelStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._pipeline is not None:
             return self._pipeline.training_step(*args, **kwargs)
-        with self._autocast():
-            output = super().training_step(*args, **kwargs)
+        with self._autocast(), sharded_logits_step(self.loss_parallel) as release:
+            output = release(super().training_step(*args, **kwargs))
         return add_moe_losses(self.lightning_module, output)
 
     @override
@@ -494,15 +503,15 @@ class HybridParallelStrategy(ParallelStrategy):
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._pipeline is not None:
             return self._pipeline.eval_step("validation_step", *args, **kwargs)
-        with self._autocast():
-            return super().validation_step(*args, **kwargs)
+        with self._autocast(), sharded_logits_step(self.loss_parallel) as release:
+            return release(super().validation_step(*args, **kwargs))
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._pipeline is not None:
             return self._pipeline.eval_step("test_step", *args, **kwargs)
-        with self._autocast():
-            return super().test_step(*args, **kwargs)
+        with self._autocast(), sharded_logits_step(self.loss_parallel) as release:
+            return release(super().test_step(*args, **kwargs))
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:

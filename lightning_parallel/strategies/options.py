@@ -35,6 +35,7 @@ def validate_options(
     strict_plan: Any = False,
     sequence_parallel: Any = False,
     tp_plan: Any = None,
+    loss_parallel: Any = False,
 ) -> None:
     """Raise a typed, explained error for the first invalid option."""
     for name, value in degrees.items():
@@ -55,6 +56,7 @@ def validate_options(
         ("hybrid_shard", hybrid_shard),
         ("strict_plan", strict_plan),
         ("sequence_parallel", sequence_parallel),
+        ("loss_parallel", loss_parallel),
     ):
         check_bool(name, value)
     if cpu_offload and zero_stage < 2:
@@ -96,6 +98,18 @@ def validate_options(
             f"1 with tensor_parallel_size={degrees['tensor_parallel_size']}",
             "ZeRO-1 uses torch's ZeroRedundancyOptimizer, which does not take tensor-parallel (DTensor) parameters",
             "use zero_stage=2 or 3 (FSDP2 shards the optimizer state too) or zero_stage=0",
+        )
+    if loss_parallel and degrees.get("tensor_parallel_size", 1) == 1:
+        raise config_error(
+            ValueError, "loss_parallel", "True with tensor_parallel_size=1",
+            "loss parallelism computes the loss on vocabulary shards, which needs a tensor-parallel LM head",
+            'set tensor_parallel_size to 2 or more (or "auto", strategy "tp"), or loss_parallel=False',
+        )
+    if loss_parallel and degrees.get("pipeline_parallel_size", 1) != 1:
+        raise config_error(
+            ValueError, "loss_parallel", f"True with pipeline_parallel_size={degrees['pipeline_parallel_size']!r}",
+            "under pipeline parallelism the last stage runs the step as the schedule's loss, which does not keep the logits sharded",
+            "set loss_parallel=False with pipeline parallelism",
         )
     if zero_stage == 1 and degrees.get("expert_parallel_size", 1) != 1:
         raise config_error(

@@ -30,11 +30,18 @@ hook per parameter redistributes the gradient to the parameter's placements (an 
 for ``Partial``, a local slice for ``Replicate`` -> ``Shard``). Under FSDP2 the parameters are
 replaced and FSDP2 does the same redistribution itself before reducing over the data axes.
 
+Loss parallelism (``loss_parallel=True``): the LM head keeps its output split over the
+vocabulary (a ``Shard(-1)`` DTensor) inside a step scope and ``F.cross_entropy`` runs on the
+shards; outside a step it gathers as before. The rules for the user's other uses of the logits
+live in :mod:`lightning_parallel.parallel.tp_loss`.
+
 Composition: apply this before FSDP2 (which then shards the DTensor parameters over the
 data-parallel axes) and after a pipeline split.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 from torch import nn
@@ -55,6 +62,7 @@ from lightning_parallel.parallel.tp_attention import (
     install_region,
     slice_output_hook,
 )
+from lightning_parallel.parallel.tp_loss import install_sharded_head
 from lightning_parallel.parallel.tp_plan import (
     COLWISE,
     COLWISE_GATHER,
@@ -74,7 +82,9 @@ def _inside(name: str, containers: set[str]) -> bool:
     return "" in containers or any(".".join(parts[:i]) in containers for i in range(1, len(parts) + 1))
 
 
-def check_tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, plan: TensorParallelPlan, sequence_parallel: bool) -> None:
+def check_tensor_parallel(
+    module: nn.Module, tp_mesh: DeviceMesh, plan: TensorParallelPlan, sequence_parallel: bool, loss_parallel: bool = False
+) -> None:
     """Every check :func:`apply_tensor_parallel` makes, with no collective: call it on every rank first."""
     if not isinstance(plan, TensorParallelPlan):
         raise config_error(TypeError, "plan", type(plan).__name__, "must be a TensorParallelPlan", "build it with resolve_tp_plan(module, tp_size)")
@@ -90,6 +100,8 @@ def check_tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, plan: TensorPa
         )
     if not isinstance(sequence_parallel, bool):
         raise config_error(TypeError, "sequence_parallel", sequence_parallel, "must be a bool", "pass sequence_parallel=true or false")
+    if not isinstance(loss_parallel, bool):
+        raise config_error(TypeError, "loss_parallel", loss_parallel, "must be a bool", "pass loss_parallel=true or false")
     modules = dict(module.named_modules())
     missing = [n for n in (*plan.styles, *plan.regions, *plan.norms) if n not in modules]
     if missing:
@@ -126,7 +138,12 @@ def check_tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, plan: TensorPa
             )
 
 
-def _styles(plan: TensorParallelPlan, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+def _sharded_heads(plan: TensorParallelPlan) -> list[str]:
+    """LM heads whose logits can stay split over the vocabulary (loss parallelism)."""
+    return [name for name in plan.lm_heads if plan.styles.get(name) == COLWISE_GATHER]
+
+
+def _styles(plan: TensorParallelPlan, sequence_parallel: bool, loss_parallel: bool = False) -> dict[str, ParallelStyle]:
     """One torch ``ParallelStyle`` per planned module."""
     sp = sequence_parallel
     regions = set(plan.regions)
@@ -141,7 +158,11 @@ def _styles(plan: TensorParallelPlan, sequence_parallel: bool) -> dict[str, Para
             out[name] = RowwiseParallel(output_layouts=stream if in_region else Replicate())
         elif style == COLWISE_GATHER:
             reads_stream = sp and name in plan.lm_heads
-            out[name] = ColwiseParallel(input_layouts=Shard(1) if reads_stream else Replicate(), output_layouts=Replicate())
+            inputs = Shard(1) if reads_stream else Replicate()
+            if loss_parallel and name in plan.lm_heads:  # vocabulary-sharded DTensor; tp_loss decides per call
+                out[name] = ColwiseParallel(input_layouts=inputs, output_layouts=Shard(-1), use_local_output=False)
+            else:
+                out[name] = ColwiseParallel(input_layouts=inputs, output_layouts=Replicate())
         elif style == EMBEDDING_ROWWISE:
             writes_stream = sp and name in plan.stream_embeddings
             out[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1) if writes_stream else Replicate())
@@ -183,10 +204,8 @@ def apply_tensor_parallel(
     Every rank must hold the same initial weights or, as ``distribute_tensor`` does, rank 0's
     are used. Build the optimizer after this call: the parameters are new DTensor objects.
     """
-    check_tensor_parallel(module, tp_mesh, plan, sequence_parallel)
-    if loss_parallel:
-        raise NotImplementedError("loss_parallel=True is not implemented yet. HINT: set loss_parallel=False")
-    styles = _styles(plan, sequence_parallel)
+    check_tensor_parallel(module, tp_mesh, plan, sequence_parallel, loss_parallel)
+    styles = _styles(plan, sequence_parallel, loss_parallel)
     ties = _ties(module, set(styles))
     parallelize_module(module, tp_mesh, styles)
     for group in ties:  # parallelize_module distributes each owner separately: tie them again
@@ -197,6 +216,16 @@ def apply_tensor_parallel(
     for param in {id(p): p for p in module.parameters()}.values():
         if isinstance(param, DTensor) and param.requires_grad:
             param.register_post_accumulate_grad_hook(_grad_to_param_layout)
+    if loss_parallel:
+        heads = _sharded_heads(plan)
+        if not heads:
+            warnings.warn(
+                f"loss_parallel=True but the plan shards no LM head of {type(module).__name__} over the vocabulary "
+                f"(lm_heads={list(plan.lm_heads)}): the loss runs on replicated logits. HINT: check the plan table "
+                "(python -m lightning_parallel.plan), or set loss_parallel=False",
+                stacklevel=2,
+            )
+        install_sharded_head(module, heads)
     sp = sequence_parallel
     for name in plan.regions:
         install_region(module.get_submodule(name), tp_mesh, dtensor_region=True, gather_input=sp)

@@ -18,9 +18,11 @@ import pytest
 import torch
 
 from lightning_parallel.export import export_state_dict, load_model_state
+from lightning_parallel.strategies.resume import rng_state_for_rank
 from lightning_parallel.testing import run_distributed
 from lightning_parallel.testing.parity import FitSpec, run_fits
 from tests.test_data_parallel import HYBRID
+from tests.test_strategy_tp import GPT_SPEC as TP_GPT_SPEC
 
 TINY = FitSpec(
     model="tests.tiny_models:TinyNet",
@@ -171,18 +173,84 @@ def test_resume_expert_parallel_on_one_process(tmp_path: Path) -> None:
     _assert_continues(_run([b], 1)[0], reference, "ep2->ep1")
 
 
-@pytest.mark.parametrize("layout", [{"zero_stage": 0}, {"zero_stage": 3}], ids=["dp", "zero3"])
-def test_exact_resume_from_mid_epoch_model_checkpoints(tmp_path: Path, layout: dict[str, Any]) -> None:
+TINY_DROPOUT = dataclasses.replace(TINY, model_kwargs={**TINY.model_kwargs, "dropout": 0.3})
+# test_strategy_tp's GPT (with gradient clipping), plus momentum and dropout, on 3 batches an epoch.
+GPT_DROPOUT = dataclasses.replace(TP_GPT_SPEC, model_kwargs={**TP_GPT_SPEC.model_kwargs, "momentum": 0.9, "dropout": 0.1},
+                                  data_kwargs={"num_samples": 24}, max_steps=6)
+EXACT_LAYOUTS = [  # (label, spec, layout): every one on 2 processes
+    ("dp", TINY_DROPOUT, {"zero_stage": 0}),
+    ("zero3", TINY_DROPOUT, {"zero_stage": 3}),
+    ("tp2", GPT_DROPOUT, {"tensor_parallel_size": 2}),
+    ("pp2", GPT_DROPOUT, {"pipeline_parallel_size": 2, "microbatches": 2}),
+]
+MID_EPOCH = ((2, "epoch=0-step=2.ckpt"), (4, "epoch=1-step=4.ckpt"))
+
+
+def test_exact_resume_from_mid_epoch_model_checkpoints(tmp_path: Path) -> None:
     """ModelCheckpoint every 2 steps in 3-batch epochs: steps 2 and 4 are mid-epoch. Resuming from
     either continues with exactly the losses of the uninterrupted run (Lightning alone would
-    restart the epoch's data from its first batch). Dropout makes each rank's RNG stream matter."""
-    spec = dataclasses.replace(TINY, model_kwargs={**TINY.model_kwargs, "dropout": 0.3})
-    full = dataclasses.replace(spec, strategy=_strategy(layout, True), checkpoint_every=2, checkpoint_dir=str(tmp_path))
-    uninterrupted = _run([full], 2)[0]
-    resumes = [dataclasses.replace(spec, strategy=_strategy(layout, True), resume_from=str(tmp_path / name))
-               for name in ("epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt")]
-    for start, result in zip((2, 4), _run(resumes, 2)):
-        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(uninterrupted["losses"][start:]),
-                                   rtol=1e-6, atol=0, msg=lambda m: f"resume at step {start}: {m}")
-        for name, ref in uninterrupted["params"].items():
-            torch.testing.assert_close(result["params"][name], ref, rtol=1e-6, atol=1e-7)
+    restart the epoch's data from its first batch), under data parallel, ZeRO-3, tensor and
+    pipeline parallel layouts. Dropout makes each rank's RNG stream matter: pipeline stages draw
+    for their own layers only, so their streams differ. All fits share one spawned group: the
+    uninterrupted runs write the checkpoints the later fits resume from."""
+    full = [dataclasses.replace(spec, strategy=_strategy(layout, True), checkpoint_every=2,
+                                checkpoint_dir=str(tmp_path / label))
+            for label, spec, layout in EXACT_LAYOUTS]
+    resumes = [dataclasses.replace(spec, strategy=_strategy(layout, True), resume_from=str(tmp_path / label / name))
+               for label, spec, layout in EXACT_LAYOUTS for _, name in MID_EPOCH]
+    results = _run(full + resumes, 2)
+    uninterrupted, resumed = results[:len(full)], iter(results[len(full):])
+    for (label, *_), reference in zip(EXACT_LAYOUTS, uninterrupted):
+        assert len(reference["losses"]) == 6, label
+        for start, _ in MID_EPOCH:
+            result = next(resumed)
+            where = f"{label}, resumed at step {start}"
+            torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(reference["losses"][start:]),
+                                       rtol=1e-6, atol=0, msg=lambda m: f"{where}: {m}")
+            assert result["params"].keys() == reference["params"].keys(), where
+            for name, ref in reference["params"].items():
+                assert ref.numel() > 0, f"{where}: {name} is a freed pipeline copy, not the parameter"
+                torch.testing.assert_close(result["params"][name], ref, rtol=1e-6, atol=1e-7,
+                                           msg=lambda m: f"{where}, {name}: {m}")
+
+
+# Per-step LayerDrop decisions: random, but the same on every rank, so they can continue exactly
+# after a change of world size (per-sample dropout masks cannot: see strategies/resume.py).
+LAYER_DROP = dataclasses.replace(TINY, model_kwargs={**TINY.model_kwargs, "layer_drop": 0.5}, checkpoint_every=2)
+
+
+def test_rng_streams_after_a_change_of_world_size(tmp_path: Path) -> None:
+    """dp2 -> 1 process and 1 process -> dp2, from a mid-epoch checkpoint (step 2): rank r restores
+    saved stream r mod the saved count, so the LayerDrop decisions of the resumed steps are those
+    the uninterrupted run made, and losses and parameters equal it (parity tolerance: the layout
+    changes). Leaving the streams as seeded would replay the decisions of the first steps."""
+    single_dir, dp_dir = tmp_path / "single", tmp_path / "dp2"
+    plain = _strategy({}, True)
+    single = _run([dataclasses.replace(LAYER_DROP, strategy=plain, checkpoint_dir=str(single_dir)),
+                   dataclasses.replace(LAYER_DROP, strategy=plain, resume_from=str(single_dir / "epoch=0-step=2.ckpt"))], 1)
+    dp = _run([dataclasses.replace(LAYER_DROP, strategy=plain, checkpoint_dir=str(dp_dir)),
+               dataclasses.replace(LAYER_DROP, strategy=plain, resume_from=str(dp_dir / "epoch=0-step=2.ckpt")),
+               dataclasses.replace(LAYER_DROP, strategy=plain, resume_from=str(single_dir / "epoch=0-step=2.ckpt"))], 2)
+    shrunk = _run([dataclasses.replace(LAYER_DROP, strategy=plain, resume_from=str(dp_dir / "epoch=0-step=2.ckpt"))], 1)
+    reference = single[0]
+    assert len(reference["losses"]) == 6
+    resumed = [("1->1", single[1]), ("dp2->dp2", dp[1]), ("1->dp2", dp[2]), ("dp2->1", shrunk[0])]
+    for label, result in [("dp2 uninterrupted", dp[0])] + resumed:
+        start = 0 if "uninterrupted" in label else 2
+        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(reference["losses"][start:]),
+                                   rtol=1e-5, atol=0, msg=lambda m: f"{label}: {m}")
+        for name, ref in reference["params"].items():
+            error = float((result["params"][name] - ref).norm() / ref.norm().clamp_min(1e-12))
+            assert error <= 1e-5, f"{label} {name}: relative error {error:.2e}"
+
+
+def test_rng_stream_for_each_rank() -> None:
+    """The rule without a process group: own stream under the same world size, ``r % n`` otherwise."""
+    saved = [{"torch": torch.tensor([r], dtype=torch.uint8), "python": None} for r in range(2)]
+    assert [rng_state_for_rank(saved, r)["torch"].item() for r in range(4)] == [0, 1, 0, 1]
+    assert rng_state_for_rank(saved[:1], 1)["torch"].item() == 0
+    assert rng_state_for_rank(None, 0) is None and rng_state_for_rank([], 3) is None
+    with pytest.raises(TypeError, match=r"`lightning_parallel_rng` must be a list .* got dict\. HINT: delete"):
+        rng_state_for_rank({"torch": saved[0]["torch"]}, 0)
+    with pytest.raises(TypeError, match=r"must be a list with one dict of RNG states per saved rank"):
+        rng_state_for_rank([saved[0], "not a state"], 1)

@@ -20,10 +20,17 @@ class Block(nn.Module):
 
 
 class TinyNet(pl.LightningModule):
-    """Stem, a stack of identical residual blocks, a head: SGD, logs loss and a torchmetrics metric."""
+    """Stem, a stack of identical residual blocks, a head: SGD, logs loss and a torchmetrics metric.
+
+    ``layer_drop`` skips each block in training with that probability, decided by one draw per
+    block and step (LayerDrop, Fan et al. 2019): unlike dropout's per-sample masks the draw does
+    not depend on the batch, so every rank (all seeded alike) makes the same decisions as one
+    process would. A skipped block is multiplied by zero rather than left out, so its parameters
+    stay in the graph (zero gradients) and DDP finds every gradient it waits for.
+    """
 
     def __init__(self, in_dim: int = 16, width: int = 32, depth: int = 3, num_classes: int = 4, lr: float = 0.5,
-                 momentum: float = 0.0, dropout: float = 0.0) -> None:
+                 momentum: float = 0.0, dropout: float = 0.0, layer_drop: float = 0.0) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.stem = nn.Linear(in_dim, width)
@@ -34,7 +41,11 @@ class TinyNet(pl.LightningModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.stem(x)
         for block in self.blocks:
-            h = block(h)
+            out = block(h)
+            if self.training and self.hparams.layer_drop > 0:
+                keep = (torch.rand(()) >= self.hparams.layer_drop).to(out.dtype)
+                out = h + keep * (out - h)
+            h = out
         return self.head(h)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:

@@ -8,6 +8,32 @@ restore, sets the sampler's epoch to the epoch being resumed and skips the batch
 consumed, so the remaining batches are exactly those the uninterrupted run would have seen.
 Each rank's RNG streams (torch, CUDA, Python, NumPy) are saved and restored as well, so random
 layers such as dropout continue as they would have.
+
+RNG streams after a change of world size (``n`` saved streams, ``m`` ranks resuming): rank ``r``
+restores saved stream ``r % n``. Rank ``r < n`` thus gets its own stream back, and a rank without
+a counterpart copies one that existed; the result is deterministic. Why a copy and not a fresh
+derived seed: Lightning's ``seed_everything`` seeds every rank alike, and under data parallelism
+(any ZeRO stage) every rank draws alike, so the saved streams are all in the same state; a copy
+keeps the resumed ranks in step, and a draw that does not depend on the rank's share of the
+batch (a per-step LayerDrop decision, a randomly chosen augmentation, noise on replicated
+weights) continues exactly as in a run resumed under the original layout.
+
+What cannot match, and does not:
+
+* draws shaped by the rank's share of the batch (dropout masks, per-sample noise): each of the
+  ``n`` data-parallel ranks drew a mask for its own rows from its own stream; under ``m`` ranks
+  the rows are split differently, so no assignment of streams reproduces those masks;
+* draws on a tensor-parallel shard (attention dropout on a rank's heads): shaped by the shard;
+* pipeline stages, which draw for their own layers only, so their saved streams differ: rank
+  ``r`` of the new layout takes stage ``r % n``'s stream whatever layers it now runs (pp2 -> one
+  process continues stage 0's stream for every layer; pp2 -> dp2 gives the two data-parallel
+  ranks different streams, so even their per-step draws differ).
+
+Those runs continue with other, equally valid, random draws; weights, optimizer state and data
+order still resume exactly. CUDA generators are restored for the device indices present both in
+the checkpoint and on the resuming machine. (DTensor's random ops draw from the default device
+generator in the torch used here (2.13: no separate DTensor RNG state to save), so these states
+cover tensor-parallel dropout as well.)
 """
 
 from __future__ import annotations
@@ -18,9 +44,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.utils.data import DataLoader
 
 RNG_KEY = "lightning_parallel_rng"
+_announced: int | None = None  # the states whose change of world size was last reported
 
 
 def make_resumable(
@@ -89,19 +117,53 @@ def gather_rng_states() -> list[dict[str, Any]]:
     return states
 
 
-def restore_rng_state(states: list[dict[str, Any]] | None) -> bool:
-    """Restore this rank's RNG streams when the checkpoint has one per rank of this world size.
+def rng_state_for_rank(states: object, rank: int) -> dict[str, Any] | None:
+    """The saved RNG state rank ``rank`` restores: saved stream ``rank % len(states)`` (see the
+    module docstring for why), or ``None`` when the checkpoint has none.
 
-    After a change of world size there is no rank-to-rank correspondence; the streams are left
-    as they are (losses of random layers then differ from the uninterrupted run).
+    Raises ``TypeError`` for an entry that is not a list of per-rank state dicts: such a
+    checkpoint was not written by this strategy, or was edited, and restoring part of it
+    would silently break an exact resume.
     """
-    if not states or len(states) != dist.get_world_size():
+    if states is None or (isinstance(states, list) and not states):
+        return None
+    if not isinstance(states, list) or not all(isinstance(s, dict) and "torch" in s for s in states):
+        raise TypeError(
+            f"Checkpoint entry `{RNG_KEY}` must be a list with one dict of RNG states per saved rank"
+            f" (each with a 'torch' key), got {type(states).__name__}."
+            f" HINT: delete the `{RNG_KEY}` key from the checkpoint to resume with the RNG streams as"
+            " seeded, or resume from a checkpoint written by HybridParallelStrategy."
+        )
+    return states[rank % len(states)]
+
+
+def restore_rng_state(states: list[dict[str, Any]] | None) -> bool:
+    """Restore this rank's RNG streams from the per-rank ``states`` of a checkpoint.
+
+    Under the world size the checkpoint was saved with, each rank gets its own streams back (an
+    exact resume). Under another, rank ``r`` takes saved stream ``r % len(states)``: see the
+    module docstring for what then continues exactly and what cannot. Returns whether anything
+    was restored (``False`` for a checkpoint without RNG states).
+    """
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    state = rng_state_for_rank(states, rank)
+    if state is None or states is None:
         return False
-    state = states[dist.get_rank()]
+    global _announced
+    if len(states) != world_size and _announced != id(states):  # once per checkpoint, not per restore
+        _announced = id(states)
+        rank_zero_info(
+            f"Resuming on {world_size} processes from RNG streams saved by {len(states)}: rank r takes"
+            " saved stream r mod the saved count. Random draws shaped by each rank's share of the batch"
+            " (dropout masks) differ from a resume under the original layout; see lightning_parallel.strategies.resume."
+        )
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        saved = state["cuda"]
+        for index in range(min(len(saved), torch.cuda.device_count())):  # devices present on both sides
+            torch.cuda.set_rng_state(saved[index], index)
     if "numpy" in state:
         import numpy
 

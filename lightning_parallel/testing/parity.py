@@ -97,7 +97,13 @@ class _Recorder:
 
 
 def full_parameters(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter as a full tensor under its original name (a collective for DTensors)."""
+    """Every parameter as a full tensor under its original name (a collective for DTensors, and
+    over the pipeline group under pipeline parallelism: a stage frees the parameters other stages
+    own, so those are fetched from their owners instead of read from the freed copies)."""
+    trainer = getattr(module, "_trainer", None)
+    driver = getattr(trainer.strategy, "_pipeline", None) if trainer is not None else None
+    if driver is not None:
+        return {n: t.detach().cpu().clone() for n, t in driver.gather_state(parameters_only=True).items()}
     out = {}
     for name, param in module.named_parameters():
         value = param.full_tensor() if isinstance(param, DTensor) else param

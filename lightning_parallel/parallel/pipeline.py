@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, fx, nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.pipelining import Pipe, pipe_split, pipeline
 from torch.distributed.pipelining.stage import _PipelineStage
 from torch.utils._pytree import tree_leaves
@@ -42,6 +43,7 @@ from torch.utils._pytree import tree_leaves
 from lightning_parallel.parallel.clip import total_norm
 from lightning_parallel.parallel.errors import config_error
 from lightning_parallel.parallel.pipeline_plan import PipelinePlan, _compact
+from lightning_parallel.parallel.pipeline_tp import full_value, local_part
 from lightning_parallel.parallel.pipeline_schedules import (
     ScheduleSpec,
     batch_size_of,
@@ -261,8 +263,8 @@ class PipelineRuntime:
         stays legal. Their values now live only on their owners: gather from :meth:`owners`
         before saving a full checkpoint.
         """
-        used = {id(t) for s in self._stage_modules() for t in (*s.parameters(), *s.buffers())}
-        kept = {t.untyped_storage().data_ptr() for s in self._stage_modules() for t in (*s.parameters(), *s.buffers())}
+        used = {id(t) for s in self.stage_modules() for t in (*s.parameters(), *s.buffers())}
+        kept = {t.untyped_storage().data_ptr() for s in self.stage_modules() for t in (*s.parameters(), *s.buffers())}
         released: dict[str, torch.Size] = {}
         with torch.no_grad():
             for name, tensor in (*self.module.named_parameters(), *self.module.named_buffers()):
@@ -273,7 +275,8 @@ class PipelineRuntime:
         self.released.update(released)
         return released
 
-    def _stage_modules(self) -> list[nn.Module]:
+    def stage_modules(self) -> list[nn.Module]:
+        """Every local stage module, training and evaluation (they share the parameters)."""
         stages = list(self._train._stages if hasattr(self._train, "_stages") else [self._train._stage])
         if self._eval is not None:
             stages += list(self._eval._stages if hasattr(self._eval, "_stages") else [self._eval._stage])
@@ -319,11 +322,16 @@ class PipelineRuntime:
         for name in self._shared:
             shape, dtype, device = self._shared_meta[name]
             delta = torch.zeros(shape, dtype=dtype, device=device)
-            if name in before and params[name].grad is not None:
-                delta = params[name].grad - before[name] if before[name] is not None else params[name].grad.clone()
+            grad = params[name].grad
+            if name in before and grad is not None:
+                delta = grad - before[name] if before[name] is not None else grad.clone()
+                delta = full_value(delta)  # tensor-parallel stages: the whole tensor crosses the pipeline
             dist.all_reduce(delta, group=self.group)
             if name in before:
-                params[name].grad = delta if before[name] is None else before[name] + delta
+                param = params[name]
+                if isinstance(param, DTensor):
+                    delta = distribute_tensor(delta, param.device_mesh, param.placements, src_data_rank=None)
+                param.grad = delta if before[name] is None else before[name] + delta
 
     @torch.no_grad()
     def eval_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -345,7 +353,7 @@ class PipelineRuntime:
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for name in self._owned:
             if params[name].grad is not None:
-                params[name].grad.mul_(coef.to(params[name].grad.device))
+                local_part(params[name].grad).mul_(coef.to(params[name].grad.device))
         return norm
 
     def describe(self) -> str:

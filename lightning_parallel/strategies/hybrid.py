@@ -53,6 +53,8 @@ from lightning_parallel.parallel.activation_checkpointing import apply_activatio
 from lightning_parallel.parallel.blocks import find_repeated_blocks
 from lightning_parallel.parallel.clip import clip_grad_norm_
 from lightning_parallel.parallel.data_parallel import apply_ddp, apply_fsdp, fsdp_modules, mixed_precision_dtype
+from lightning_parallel.parallel.auto_degrees import DegreeChoice, choose_3d_degrees
+from lightning_parallel.parallel.pipeline_schedules import resolve_virtual_stages, schedule_spec
 from lightning_parallel.parallel.dims import DP, EDP, TP, Degree, ParallelDims
 from lightning_parallel.parallel.expert_parallel import validate_expert_parallel
 from lightning_parallel.parallel.tensor_parallel import apply_tensor_parallel
@@ -202,6 +204,7 @@ class HybridParallelStrategy(ParallelStrategy):
         self.sequence_parallel = sequence_parallel
         self.loss_parallel = loss_parallel
         self._tp_resolved: TensorParallelPlan | None = None
+        self._degree_choice: tuple[int, DegreeChoice] | None = None
         self.pipeline_schedule = pipeline_schedule
         self.microbatches = microbatches
         self.virtual_stages = virtual_stages
@@ -259,13 +262,39 @@ class HybridParallelStrategy(ParallelStrategy):
     def resolve_dims(self, world_size: int | None = None) -> ParallelDims:
         """Resolve the degrees for ``world_size`` (default: devices x num_nodes). No collective."""
         world_size = world_size if world_size is not None else self.num_nodes * self.num_processes
+        degrees = dict(self._degrees)
+        if degrees["tensor_parallel_size"] == "auto" and degrees["pipeline_parallel_size"] == "auto":
+            choice = self._choose_3d_degrees(world_size)
+            degrees.update(tensor_parallel_size=choice.tp, pipeline_parallel_size=choice.pp, data_parallel_size=choice.dp)
         return ParallelDims.resolve(
             world_size,
-            **self._degrees,
+            **degrees,
             sharded=self.zero_stage >= 2,
             hybrid=self.hybrid_shard,
             num_nodes=self.num_nodes,
         )
+
+    def _choose_3d_degrees(self, world_size: int) -> DegreeChoice:
+        """Both model-parallel degrees "auto" (strategy '3d'): chosen from the model, once, logged on rank 0."""
+        cached = self._degree_choice
+        if cached is not None and cached[0] == world_size:
+            return cached[1]
+        module = self.lightning_module
+        if module is None:
+            raise RuntimeError(
+                "The 3D degrees are chosen from the model, and no model is attached yet. HINT: read"
+                " distributed_sampler_kwargs after Trainer.fit has started, call strategy.connect(model) first,"
+                " or give tensor_parallel_size and pipeline_parallel_size as ints."
+            )
+        virtual = resolve_virtual_stages(schedule_spec(self.pipeline_schedule), self.virtual_stages)
+        choice = choose_3d_degrees(
+            module, world_size, processes_per_node=max(1, self.num_processes),
+            data_parallel_size=self._degrees["data_parallel_size"], tp_plan=self.tp_plan,
+            virtual_stages=virtual, split_points=self.split_points,
+        )
+        rank_zero_info(choice.explain())
+        self._degree_choice = (world_size, choice)
+        return choice
 
     @property
     @override
@@ -378,16 +407,16 @@ class HybridParallelStrategy(ParallelStrategy):
         if dims.pp > 1:
             from lightning_parallel.strategies.pipeline_driver import PipelineDriver
 
-            # Stages are traced from the first real batch (the traced graph fixes its shape).
+            # Stages are traced from the first real batch (the traced graph fixes its shape);
+            # tensor parallelism is applied to the traced stages then (parallel/pipeline_tp.py).
+            if dims.tp > 1:
+                self._log_tp_plan()
             self._pipeline = PipelineDriver(self, module)
             return module
         blocks = find_repeated_blocks(module)
         if dims.tp > 1:
-            self._resolve_plans()
-            assert self._tp_resolved is not None
-            rank_zero_info(f"Tensor-parallel plan ({self._tp_resolved.source}):\n{self._tp_resolved.table()}")
             apply_tensor_parallel(
-                module, dims.axis(TP), self._tp_resolved, sequence_parallel=self.sequence_parallel, loss_parallel=self.loss_parallel
+                module, dims.axis(TP), self._log_tp_plan(), sequence_parallel=self.sequence_parallel, loss_parallel=self.loss_parallel
             )
         experts, self._expert_params = apply_experts(module, dims, self.moe_aux_loss_coef, self.moe_z_loss_coef)
         if self.activation_checkpointing:
@@ -417,6 +446,19 @@ class HybridParallelStrategy(ParallelStrategy):
                 find_unused_parameters=self.find_unused_parameters,
             )
         return module
+
+    @property
+    def tensor_parallel_plan(self) -> TensorParallelPlan:
+        """The resolved tensor-parallel plan (module -> style) for the attached module."""
+        self._resolve_plans()
+        if self._tp_resolved is None:
+            raise RuntimeError("No tensor-parallel plan: tensor_parallel_size is 1 or no module with parameters is attached yet.")
+        return self._tp_resolved
+
+    def _log_tp_plan(self) -> TensorParallelPlan:
+        plan = self.tensor_parallel_plan
+        rank_zero_info(f"Tensor-parallel plan ({plan.source}):\n{plan.table()}")
+        return plan
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:

@@ -32,9 +32,15 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 
-from lightning_parallel.parallel.dims import DP, PP
+from lightning_parallel.parallel.dims import DP, PP, TP
 from lightning_parallel.parallel.errors import config_error
 from lightning_parallel.parallel.pipeline import PipelineRuntime, build_pipeline
+from lightning_parallel.parallel.pipeline_tp import (
+    apply_stage_tensor_parallel,
+    full_value,
+    local_part,
+    swap_optimizer_parameters,
+)
 from lightning_parallel.parallel.pipeline_plan import PipelinePlan, plan_pipeline
 from lightning_parallel.parallel.pipeline_schedules import (
     ScheduleSpec,
@@ -89,19 +95,27 @@ def resolve_pipeline_config(
     ep: int = 1,
     mixed_precision: str | None = None,
     activation_checkpointing: bool = False,
+    sequence_parallel: bool = False,
+    loss_parallel: bool = False,
 ) -> PipelineConfig:
     """Validate the pipeline options and plan the stages (no process group, no collective)."""
+    spec = schedule_spec(schedule)
     unsupported = [
         ("zero_stage", zero_stage, zero_stage >= 1, "use zero_stage=0 (gradients are averaged over the data-parallel ranks)"),
-        ("tensor_parallel_size", tp, tp > 1, "use tensor_parallel_size=1 with pipeline parallelism"),
         ("expert_parallel_size", ep, ep > 1, "use expert_parallel_size=1 with pipeline parallelism"),
+        # Tensor parallelism inside stages (parallel/pipeline_tp.py): the zero-bubble schedules
+        # split the backward by detaching DTensor gradient views in place, which autograd refuses.
+        ("pipeline_schedule", schedule, tp > 1 and spec.zero_bubble,
+         "with tensor_parallel_size > 1 use gpipe, 1f1b, interleaved_1f1b or looped_bfs"),
+        ("sequence_parallel", sequence_parallel, tp > 1 and sequence_parallel, "use sequence_parallel=false with pipeline parallelism"),
+        ("loss_parallel", loss_parallel, tp > 1 and loss_parallel,
+         "use loss_parallel=false with pipeline parallelism (the last stage hands the loss full logits)"),
         ("mixed_precision", mixed_precision, mixed_precision is not None, "train in fp32 (precision='32-true')"),
         ("activation_checkpointing", activation_checkpointing, activation_checkpointing, "use activation_checkpointing=False"),
     ]
     for name, value, bad, fix in unsupported:
         if bad:
             raise config_error(ValueError, name, value, f"it is not supported together with pipeline_parallel_size={pp} yet", fix)
-    spec = schedule_spec(schedule)
     v = resolve_virtual_stages(spec, virtual_stages)
     m = auto_microbatches(spec, pp) if microbatches == "auto" else microbatches
     check_microbatches(spec, pp, v, m)
@@ -139,6 +153,8 @@ class PipelineDriver:
             ep=dims.ep,
             mixed_precision=strategy.mixed_precision,
             activation_checkpointing=strategy.activation_checkpointing,
+            sequence_parallel=strategy.sequence_parallel,
+            loss_parallel=getattr(strategy, "loss_parallel", False),
         )
         self.group = dims.axis(PP).get_group()
         self._dp_group = dims.axis(DP).get_group() if dims.dp > 1 else None
@@ -182,6 +198,12 @@ class PipelineDriver:
             device=self.device,
         )
         self._runtime.release_non_owned()
+        if self.dims.tp > 1:  # pipeline split -> tensor parallel: shard what this rank's stages kept
+            plan = self.strategy.tensor_parallel_plan
+            mapping = apply_stage_tensor_parallel(
+                self.module, self._runtime.stage_modules(), self._runtime.owned_parameter_names(), self.dims.axis(TP), plan
+            )
+            swap_optimizer_parameters([getattr(o, "_optimizer", o) for o in self.strategy.optimizers], mapping)
         released: list[Any] = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(released, sorted(self._runtime.released), group=self.group)
         names = [n for n, _ in (*self.module.named_parameters(), *self.module.named_buffers())]
@@ -286,7 +308,7 @@ class PipelineDriver:
         """Mean of the new gradients over the stage's data-parallel peers (one flat all-reduce)."""
         if self._dp_group is None:
             return
-        grads = [p.grad for p in params if p.grad is not None]
+        grads = [local_part(p.grad) for p in params if p.grad is not None]
         if not grads:
             return
         flat = torch.cat([g.reshape(-1) for g in grads])
@@ -340,7 +362,7 @@ class PipelineDriver:
                 out[name] = tensor.detach().clone()
                 continue
             shape = runtime.released.get(name, tensor.shape)
-            value = tensor.detach().clone() if name not in runtime.released else torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
+            value = full_value(tensor.detach()).clone() if name not in runtime.released else torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
             dist.broadcast(value, src=dist.get_global_rank(self.group, self._keepers[name]), group=self.group)
             out[name] = value
         return out

@@ -147,6 +147,8 @@ def run_fit(spec: FitSpec) -> dict[str, Any]:
         callbacks=callbacks,
         **spec.trainer_kwargs,
     )
+    if spec.devices > 1 and getattr(trainer.strategy, "lightning_module", "n/a") is None:
+        trainer.strategy.connect(model)  # strategy '3d' reads the model to choose the degrees (and the sampler's dp size)
     sampler_kwargs = trainer.strategy.distributed_sampler_kwargs if spec.devices > 1 else {"num_replicas": 1, "rank": 0}
     replicas = sampler_kwargs["num_replicas"]
     if spec.global_batch % replicas:

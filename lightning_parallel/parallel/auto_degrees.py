@@ -1,0 +1,140 @@
+"""Choose tensor- and pipeline-parallel degrees for ``strategy="3d"`` from the world size and the model.
+
+The rule, in the order Megatron-LM's and torchtitan's guides give it: data parallelism scales
+best and talks least per byte of model, so the model-parallel axes get the *smallest* degree
+greater than one that the model allows, and data parallelism takes every remaining process.
+
+* tensor parallel first (it splits every layer, so it is the axis that relieves per-layer
+  memory; it talks most, so it must stay inside a node): the smallest divisor ``t > 1`` of the
+  processes per node (and of the world size) for which the model's tensor-parallel plan splits
+  every planned module evenly (heads, k/v heads, hidden size, vocabulary), i.e. the plan
+  resolves with ``strict_plan=True``;
+* then pipeline parallel: the smallest divisor ``p > 1`` of ``world / t`` with at least ``p``
+  blocks to cut into stages;
+* data parallel: ``world / (t * p)``.
+
+"3D" asks for both model-parallel axes, so a model that allows neither a tensor- nor a
+pipeline-parallel degree above one (e.g. a prime head count and fewer blocks than devices) is
+an error listing every degree tried and why it failed, not a silent fallback to plain data
+parallelism. Pure inspection of shapes and module structure: no process group, no collective.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from lightning_parallel.parallel.errors import config_error
+from lightning_parallel.parallel.pipeline_plan import plan_pipeline
+from lightning_parallel.parallel.tp_plan import resolve_tp_plan
+
+
+@dataclass(frozen=True)
+class DegreeChoice:
+    """The chosen degrees and, per degree tried, why it was taken or rejected (for the log line)."""
+
+    dp: int
+    tp: int
+    pp: int
+    tried: tuple[str, ...]
+
+    def explain(self) -> str:
+        return f"3d degrees: dp={self.dp} x tp={self.tp} x pp={self.pp}; " + "; ".join(self.tried)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(2, n + 1) if n % d == 0]
+
+
+def _first_line(error: Exception) -> str:
+    """The rule a nested config error states, without its field prefix and HINT."""
+    text = str(error).strip().splitlines()
+    line = text[0] if text else type(error).__name__
+    line = line.split(" is invalid: ", 1)[-1].split(". HINT:", 1)[0]
+    return line[:200]
+
+
+def _tp_fits(module: nn.Module, tp: int, user_plan: dict[str, str] | None) -> str | None:
+    """None when every planned module splits evenly over ``tp`` ranks, else the reason it does not."""
+    try:
+        plan = resolve_tp_plan(module, tp, user_plan=user_plan, strict=True)
+    except (ValueError, TypeError) as error:
+        return _first_line(error)
+    if plan.sharded_params == 0:
+        return "the plan shards no parameter"
+    return None
+
+
+def _pp_fits(module: nn.Module, pp: int, virtual_stages: int, split_points: list[str] | None) -> str | None:
+    try:
+        plan_pipeline(module, pp, virtual_stages, style="single" if virtual_stages == 1 else "loop", split_points=split_points)
+    except (ValueError, TypeError) as error:
+        return _first_line(error)
+    return None
+
+
+def choose_3d_degrees(
+    module: nn.Module,
+    world_size: int,
+    *,
+    processes_per_node: int,
+    data_parallel_size: int | str = "auto",
+    tp_plan: dict[str, str] | None = None,
+    virtual_stages: int = 1,
+    split_points: list[str] | None = None,
+) -> DegreeChoice:
+    """Tensor and pipeline degrees for ``module`` on ``world_size`` processes (see the module docstring).
+
+    ``data_parallel_size``: an int fixes it (the model-parallel axes share ``world / dp``).
+    """
+    if not any(True for _ in module.parameters()):
+        raise config_error(
+            ValueError, "tensor_parallel_size / pipeline_parallel_size", '"auto"',
+            "choosing 3D degrees reads the model's layers, and this model has none yet (built in configure_model?)",
+            "give tensor_parallel_size and pipeline_parallel_size as ints",
+        )
+    if data_parallel_size != "auto":
+        if not isinstance(data_parallel_size, int) or world_size % data_parallel_size:
+            raise config_error(
+                ValueError, "data_parallel_size", data_parallel_size, f"it must divide the world size {world_size}",
+                'choose a divisor of the number of processes, or "auto"',
+            )
+    model_ranks = world_size // data_parallel_size if isinstance(data_parallel_size, int) else world_size
+    tried: list[str] = []
+    failures: list[str] = []
+    tp = 1
+    for t in _divisors(model_ranks):
+        if processes_per_node % t:
+            failures.append(f"tp={t}: more than (or not a divisor of) the {processes_per_node} processes per node")
+            continue
+        reason = _tp_fits(module, t, tp_plan)
+        if reason is None:
+            tp = t
+            tried.append(f"tp={t}: every planned module splits evenly")
+            break
+        failures.append(f"tp={t}: {reason}")
+    pp = 1
+    for p in _divisors(model_ranks // tp):
+        reason = _pp_fits(module, p, virtual_stages, split_points)
+        if reason is None:
+            pp = p
+            tried.append(f"pp={p}: enough blocks for {p * virtual_stages} stages")
+            break
+        failures.append(f"pp={p}: {reason}")
+    if tp == 1 or pp == 1:
+        missing = "tensor" if tp == 1 else "pipeline"
+        if tp == 1 and pp == 1:
+            missing = "tensor or pipeline"
+        raise config_error(
+            ValueError, "tensor_parallel_size / pipeline_parallel_size", f'"auto" on {world_size} processes',
+            f"strategy '3d' needs a {missing}-parallel degree above 1 that {type(module).__name__} allows; tried: "
+            + "; ".join(failures or ["no degree above 1 divides the processes left"]),
+            "give the degrees as ints (tensor_parallel_size=1 or pipeline_parallel_size=1 are allowed then), "
+            "use more processes, or a strategy with fewer axes ('tp', 'pp', 'dp')",
+        )
+    dp = world_size // (tp * pp)
+    return DegreeChoice(dp=dp, tp=tp, pp=pp, tried=tuple(tried + [f"rejected: {f}" for f in failures]))
+
+
+__all__ = ["DegreeChoice", "choose_3d_degrees"]

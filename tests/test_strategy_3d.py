@@ -1,0 +1,114 @@
+"""3D parallelism through the Trainer: tensor x pipeline (x data) parallel, unchanged GPT.
+
+Tensor parallelism inside pipeline stages is applied to the traced stage graphs
+(``parallel/pipeline_tp.py``); these runs compare losses (logged on every rank), the final
+parameters (gathered from their owning stages, full tensors from the tensor-parallel shards)
+and the logged metrics with one process, with gradient clipping active: its norm spans the
+tensor shards of every stage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+
+from lightning_parallel.models import GPT
+from lightning_parallel.parallel.auto_degrees import choose_3d_degrees
+from lightning_parallel.strategies.pipeline_driver import resolve_pipeline_config
+from lightning_parallel.testing import run_distributed
+from lightning_parallel.testing.parity import FitSpec, run_fit, run_fits
+from tests.test_data_parallel import HYBRID, assert_parity
+
+GPT_KWARGS = {"vocab_size": 64, "block_size": 16, "n_layer": 4, "n_head": 4, "n_embd": 32, "lr": 0.5}
+SPEC = FitSpec(
+    model="lightning_parallel.models:GPT",
+    model_kwargs=GPT_KWARGS,
+    data="lightning_parallel.testing.parity:token_data",
+    global_batch=8,
+    max_steps=5,
+    trainer_kwargs={"gradient_clip_val": 0.5},
+)
+
+
+def _hybrid(**kwargs: Any) -> dict[str, Any]:
+    return {"class": HYBRID, **kwargs}
+
+
+def _check(cases: list[tuple[str, Any]], devices: int, timeout: float) -> list[list[dict[str, Any]]]:
+    specs = [dataclasses.replace(SPEC, strategy=strategy, devices=devices) for _, strategy in cases]
+    results = run_distributed(run_fits, devices, specs, init_backend=None, timeout=timeout)
+    reference = run_fit(dataclasses.replace(SPEC, strategy="auto", devices=1))
+    assert max(reference["grad_norms"]) > 0.5, "clipping must be active"
+    for index, (label, _) in enumerate(cases):
+        for rank, per_rank in enumerate(results):
+            # A torchmetrics object's step value is its rank's own batch under data parallelism
+            # with pipelines (see test_strategy_pp): compare metrics where dp == 1.
+            data_parallel = devices // 4 > 1
+            assert_parity(per_rank[index], reference, f"{label} (rank {rank})", per_tensor=True, metrics=not data_parallel)
+    return results
+
+
+# ---------------------------------------------------------------- choosing degrees (no processes)
+def _gpt(**overrides: Any) -> GPT:
+    return GPT(**{**GPT_KWARGS, **overrides})
+
+
+def test_3d_chooses_the_smallest_model_parallel_degrees() -> None:
+    assert (lambda c: (c.dp, c.tp, c.pp))(choose_3d_degrees(_gpt(), 4, processes_per_node=4)) == (1, 2, 2)
+    assert (lambda c: (c.dp, c.tp, c.pp))(choose_3d_degrees(_gpt(), 8, processes_per_node=8)) == (2, 2, 2)
+    assert (lambda c: (c.dp, c.tp, c.pp))(choose_3d_degrees(_gpt(), 16, processes_per_node=8)) == (4, 2, 2)
+    # 6 heads, 48 features: tp=2 fits; 12 processes -> tp 2, pp 2, dp 3.
+    six = choose_3d_degrees(_gpt(n_head=6, n_embd=48), 12, processes_per_node=12)
+    assert (six.dp, six.tp, six.pp) == (3, 2, 2)
+    # A head count and hidden size that 2 does not divide but 3 does: tp=3.
+    three = choose_3d_degrees(_gpt(n_head=3, n_embd=33, vocab_size=63), 6, processes_per_node=6)
+    assert (three.dp, three.tp, three.pp) == (1, 3, 2)
+    assert "tp=2" in three.explain() and "rejected" in three.explain()
+    # data_parallel_size fixed: the model axes share what it leaves.
+    fixed = choose_3d_degrees(_gpt(), 8, processes_per_node=8, data_parallel_size=2)
+    assert (fixed.dp, fixed.tp, fixed.pp) == (2, 2, 2)
+
+
+def test_3d_error_lists_the_degrees_tried() -> None:
+    with pytest.raises(ValueError, match=r"tensor-parallel degree.*tp=2: .*35.*tp=4: .*tp=8: .*HINT"):
+        choose_3d_degrees(_gpt(n_head=7, n_embd=35), 8, processes_per_node=8)
+    # Tensor parallelism stays inside a node: 2 processes per node allow tp=2 only.
+    with pytest.raises(ValueError, match=r"tp=2: .*35.*tp=4: more than"):
+        choose_3d_degrees(_gpt(n_head=7, n_embd=35), 8, processes_per_node=2)
+    # Pipeline stages need blocks: with 1-stage-worth of layers and 4 stages per rank... too few.
+    with pytest.raises(ValueError, match=r"pipeline-parallel degree.*pp=2"):
+        choose_3d_degrees(_gpt(n_layer=1), 4, processes_per_node=4, virtual_stages=8)
+    with pytest.raises(ValueError, match=r"data_parallel_size.*divide the world size 8"):
+        choose_3d_degrees(_gpt(), 8, processes_per_node=8, data_parallel_size=3)
+
+
+def test_3d_options_that_do_not_compose_yet_are_refused() -> None:
+    model = _gpt()
+    with pytest.raises(ValueError, match=r"pipeline_schedule.*zbv.*gpipe, 1f1b"):
+        resolve_pipeline_config(model, 2, "zbv", "auto", "auto", None, tp=2)
+    with pytest.raises(ValueError, match=r"sequence_parallel.*True"):
+        resolve_pipeline_config(model, 2, "1f1b", "auto", "auto", None, tp=2, sequence_parallel=True)
+    with pytest.raises(ValueError, match=r"loss_parallel"):
+        resolve_pipeline_config(model, 2, "1f1b", "auto", "auto", None, tp=2, loss_parallel=True)
+
+
+# ---------------------------------------------------------------- multi-process parity
+def test_tp2_x_pp2_and_3d_preset_match_single_process() -> None:
+    _check(
+        [
+            ("tp2 x pp2 1f1b", _hybrid(tensor_parallel_size=2, pipeline_parallel_size=2, microbatches=2)),
+            ("tp2 x pp2 interleaved_1f1b v2", _hybrid(
+                tensor_parallel_size=2, pipeline_parallel_size=2, pipeline_schedule="interleaved_1f1b", virtual_stages=2,
+                microbatches=2)),
+            ("3d (auto: tp2 x pp2)", "3d"),
+        ],
+        4,
+        timeout=500,
+    )
+
+
+@pytest.mark.slow
+def test_dp2_x_tp2_x_pp2_matches_single_process() -> None:
+    _check([("dp2 x tp2 x pp2 gpipe", _hybrid(data_parallel_size=2, tensor_parallel_size=2, pipeline_parallel_size=2))], 8, timeout=600)

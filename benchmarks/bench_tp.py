@@ -4,7 +4,10 @@ hand-written ``parallelize_module`` plan, side by side in one run on the package
 Not a timed test. Both runs use the same processes (``--tp`` gloo ranks, data parallel size 1),
 the same seed, data and SGD, and train ``--steps`` steps through a ``Trainer``. Printed per run:
 
-* median step time (after ``--warmup`` steps) and the ratio ours / hand-written;
+* median step time (after ``--warmup`` steps) and the ratio ours / hand-written, and the same
+  for the CPU time each rank's process spends per step (``time.process_time``): on a shared
+  machine wall time moves with other people's load, CPU time much less. The fits alternate
+  (ours, hand, ours, hand, ... ``--rounds`` times) so a change of load hits both sides;
 * model-state bytes per rank, measured on the rank: parameters (local shards), gradients as
   they stand before the optimizer step, and optimizer state (SGD momentum), next to the
   planner's prediction ``sharded bytes / tp + replicated bytes`` (``tp_param_bytes``);
@@ -85,18 +88,22 @@ class _Probe:
         class Probe(Callback):
             def __init__(self) -> None:
                 self.times: list[float] = []
+                self.cpu_times: list[float] = []
+                self.cpu_start = 0.0
                 self.start = 0.0
                 self.bytes: dict[str, int] = {}
                 self.loss = float("nan")
 
             def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
                 self.start = time.perf_counter()
+                self.cpu_start = time.process_time()
 
             def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
                 self.bytes["grads"] = _nbytes(p.grad for p in pl_module.parameters())
 
             def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
                 self.times.append(time.perf_counter() - self.start)
+                self.cpu_times.append(time.process_time() - self.cpu_start)
                 self.loss = float(trainer.callback_metrics["train_loss"])
                 self.bytes["params"] = _nbytes(pl_module.parameters())
                 opt = trainer.optimizers[0]
@@ -130,7 +137,8 @@ def _fit(which: str, args: argparse.Namespace) -> dict[str, Any]:
     )
     data = token_data(num_samples=args.batch * args.steps, block_size=args.seq, vocab_size=args.vocab)
     trainer.fit(model, DataLoader(data, batch_size=args.batch, shuffle=False))
-    return {"times": probe.times[args.warmup:], "bytes": dict(probe.bytes), "loss": probe.loss}
+    return {"times": probe.times[args.warmup:], "cpu_times": probe.cpu_times[args.warmup:], "bytes": dict(probe.bytes),
+            "loss": probe.loss}
 
 
 def _worker(args: argparse.Namespace) -> dict[str, Any]:
@@ -140,7 +148,16 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
         meta = GPT(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=args.heads, n_embd=args.width)
     predicted = tp_param_bytes(meta, resolve_tp_plan(meta, args.tp))
     torch.set_num_threads(1)
-    return {"ours": _fit("ours", args), "hand": _fit("hand", args), "predicted": predicted}
+    runs: dict[str, list[dict[str, Any]]] = {"ours": [], "hand": []}
+    for _ in range(args.rounds):
+        for which in ("ours", "hand"):
+            runs[which].append(_fit(which, args))
+    merged = {
+        which: {"times": [t for r in rs for t in r["times"]], "cpu_times": [t for r in rs for t in r["cpu_times"]],
+                "bytes": rs[-1]["bytes"], "loss": rs[-1]["loss"]}
+        for which, rs in runs.items()
+    }
+    return {**merged, "predicted": predicted}
 
 
 def main() -> None:
@@ -154,6 +171,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=2, help="alternating (ours, hand) fits")
     args = parser.parse_args()
     results = run_distributed(_worker, args.tp, args, init_backend=None, timeout=1200)
     pred = results[0]["predicted"]
@@ -162,14 +180,16 @@ def main() -> None:
     print(f"predicted parameter bytes per rank: sharded {pred['sharded_bytes_per_rank']:,} + replicated "
           f"{pred['replicated_bytes_per_rank']:,} = {pred['total_bytes_per_rank']:,} "
           f"(unsharded {pred['unsharded_total_bytes']:,})")
-    medians = {}
+    medians, cpu_medians = {}, {}
     for which, label in (("ours", "ours: tp strategy, unchanged GPT"), ("hand", "Lightning ModelParallelStrategy, hand-written")):
         times = [t for r in results for t in r[which]["times"]]
         medians[which] = statistics.median(times)
+        cpu_medians[which] = statistics.median(t for r in results for t in r[which]["cpu_times"])
         b = results[0][which]["bytes"]
-        print(f"{label:<48} step {1e3 * medians[which]:7.1f} ms  params {b['params']:,}  grads {b['grads']:,}  "
+        print(f"{label:<48} step {1e3 * medians[which]:7.1f} ms (CPU {1e3 * cpu_medians[which]:6.1f} ms)  params {b['params']:,}  grads {b['grads']:,}  "
               f"optimizer {b['optimizer']:,} bytes/rank  final loss {results[0][which]['loss']:.5f}")
-    print(f"step-time ratio ours / hand-written: {medians['ours'] / medians['hand']:.2f}")
+    print(f"step-time ratio ours / hand-written: {medians['ours'] / medians['hand']:.2f} "
+          f"(CPU time per step: {cpu_medians['ours'] / cpu_medians['hand']:.2f})")
     ours = results[0]["ours"]["bytes"]["params"]
     print(f"measured / predicted parameter bytes (ours): {ours / pred['total_bytes_per_rank']:.3f}")
 

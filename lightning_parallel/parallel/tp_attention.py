@@ -13,8 +13,13 @@ so the code runs unchanged, and so does ``view(B, T, -1, hd)``, ``repeat_kv``, R
   its gradient reduced correctly (``implicit_replication`` alone fails in the backward).
 * Tensors created inside a kernel decomposition (the causal mask of the math SDPA):
   ``implicit_replication``.
-* On CPU the fused (flash) SDPA kernel has no DTensor sharding rule: the math kernel is
-  forced inside the region (only there, only on CPU).
+* ``F.scaled_dot_product_attention`` on q/k/v split along the heads (the usual case, with or
+  without ``is_causal``, a head-broadcast mask, or ``enable_gqa``) runs on the *local* shards
+  with the default (fused) kernel: heads are independent, so each rank's heads need nothing
+  from the others, and this skips both DTensor dispatch of the decomposed attention and the
+  math kernel. The other cases (dropout in training, whose mask DTensor draws per global
+  position; a per-head mask; other layouts) run on DTensors, and on CPU under the math kernel
+  because the fused (flash) CPU kernel has no DTensor sharding rule.
 
 A region's outputs leave as plain tensors, so code outside the region (residual adds, the
 user's loss) never meets a DTensor.
@@ -26,6 +31,7 @@ import contextlib
 from collections.abc import Callable
 from typing import Any
 
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -37,11 +43,90 @@ from torch.utils._pytree import tree_flatten, tree_map
 from lightning_parallel.parallel.errors import config_error
 
 
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+def _head_sharded(t: Any, mesh: DeviceMesh) -> bool:
+    return (
+        isinstance(t, DTensor) and t.ndim == 4 and t.device_mesh == mesh
+        and len(t.placements) == 1 and t.placements[0] == Shard(1)
+    )
+
+
+def _local_mask(mask: Any, mesh: DeviceMesh) -> Tensor | None | bool:
+    """The mask every rank can use on its own heads, or ``False`` if there is none such."""
+    if mask is None:
+        return None
+    if isinstance(mask, DTensor):
+        if mask.device_mesh != mesh or not all(isinstance(p, Replicate) for p in mask.placements):
+            return False
+        mask = mask.to_local()
+    if not isinstance(mask, Tensor) or (mask.ndim >= 3 and mask.shape[-3] != 1):
+        return False  # a per-head mask would need this rank's slice of the heads
+    return mask
+
+
+def local_sdpa(args: tuple, kwargs: dict) -> Tensor | None:
+    """``F.scaled_dot_product_attention`` on this rank's heads, or ``None`` when not exactly that.
+
+    q/k/v must be ``(B, H, T, hd)`` DTensors split along the heads on one mesh; grouped-query
+    attention (``enable_gqa`` or ``H_kv < H``) stays exact because rank ``r``'s query heads map
+    to rank ``r``'s key/value heads (both are contiguous blocks of the same group size).
+    """
+    if len(args) > len(_SDPA_ARGS) or set(kwargs) - set(_SDPA_ARGS):
+        return None
+    bound = dict(zip(_SDPA_ARGS, args), **kwargs)
+    q, k, v = bound.get("query"), bound.get("key"), bound.get("value")
+    if not isinstance(q, DTensor):
+        return None
+    mesh = q.device_mesh
+    if not (_head_sharded(q, mesh) and _head_sharded(k, mesh) and _head_sharded(v, mesh)):
+        return None
+    if bound.get("dropout_p", 0.0):
+        return None  # DTensor's RNG gives each global position its own draw; local draws would repeat per rank
+    mask = _local_mask(bound.get("attn_mask"), mesh)
+    if mask is False:
+        return None
+    extra = {name: bound[name] for name in ("scale", "enable_gqa") if name in bound}
+    out = F.scaled_dot_product_attention(
+        q.to_local(), k.to_local(), v.to_local(), attn_mask=mask, is_causal=bool(bound.get("is_causal", False)), **extra
+    )
+    return DTensor.from_local(out, mesh, [Shard(1)], run_check=False)
+
+
 class ReplicateMixedMode(TorchFunctionMode):
-    """Wrap plain tensors as replicated DTensors whenever a call also receives a DTensor."""
+    """Wrap plain tensors as replicated DTensors whenever a call also receives a DTensor.
+
+    Attention on head-split DTensors goes to :func:`local_sdpa`; when that does not apply it runs
+    on DTensors, under the math kernel on CPU (no DTensor rule for the fused CPU kernel).
+    """
 
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            out = local_sdpa(args, kwargs)
+            if out is not None:
+                return out
+            query = args[0] if args else kwargs.get("query")
+            if isinstance(query, DTensor) and query.device.type == "cpu":
+                with sdpa_kernel(SDPBackend.MATH):
+                    return self._wrapped(func, args, kwargs)
+        return self._wrapped(func, args, kwargs)
+
+    @staticmethod
+    def _wrapped(func: Callable, args: tuple, kwargs: dict) -> Any:
+        # Fast path (most calls of a region: every tensor argument a DTensor, or none is): a flat
+        # scan instead of two pytree passes, which cost as much as the DTensor dispatch of a view.
+        dtensors = plain = nested = False
+        for a in (*args, *kwargs.values()):
+            if isinstance(a, DTensor):
+                dtensors = True
+            elif isinstance(a, Tensor):
+                plain = True
+            elif isinstance(a, (list, tuple, dict)):
+                nested = True
+        if not nested and not (dtensors and plain):
+            return func(*args, **kwargs)
         flat, _ = tree_flatten((args, kwargs))
         mesh = next((a.device_mesh for a in flat if isinstance(a, DTensor)), None)
         if mesh is not None and any(type(a) is not DTensor and isinstance(a, Tensor) for a in flat):
@@ -115,7 +200,6 @@ class RegionForward:
         self.dtensor_region = dtensor_region
         self.gather_input = gather_input
         self.slice_output = slice_output
-        self.force_math = mesh.device_type == "cpu"
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.gather_input:
@@ -124,8 +208,6 @@ class RegionForward:
             if self.dtensor_region:
                 stack.enter_context(ReplicateMixedMode())
                 stack.enter_context(implicit_replication())
-                if self.force_math:
-                    stack.enter_context(sdpa_kernel(SDPBackend.MATH))
             out = self.original(*args, **kwargs)
         if self.dtensor_region:
             out = tree_map(_to_plain, out)
@@ -176,6 +258,7 @@ __all__ = [
     "gather_input_hook",
     "gather_sequence",
     "install_region",
+    "local_sdpa",
     "slice_output_hook",
     "slice_sequence",
 ]

@@ -20,7 +20,8 @@ reshape with ``-1`` on the local shards (the Lightning/torchtitan tutorials do t
 trains the GPT unchanged, with the inferred plan. Lightning's ``ModelParallelStrategy`` does run
 on CPU with gloo (checked by this script: it would raise before the first step otherwise).
 
-Run: ``python benchmarks/bench_tp.py`` (defaults: tp 2, a 4-layer 256-wide GPT, 20 steps).
+Run: ``python benchmarks/bench_tp.py`` (defaults: tp 2, a 4-layer 256-wide GPT, 20 steps);
+``--loss-parallel`` runs ours with ``loss_parallel=True`` (cross-entropy on vocabulary shards).
 """
 
 from __future__ import annotations
@@ -125,7 +126,7 @@ def _fit(which: str, args: argparse.Namespace) -> dict[str, Any]:
                   n_embd=args.width, lr=0.05, momentum=0.9)
     if which == "ours":
         model: GPT = GPT(**kwargs)
-        strategy: Any = lightning_parallel.HybridParallelStrategy(tensor_parallel_size=args.tp)
+        strategy: Any = lightning_parallel.HybridParallelStrategy(tensor_parallel_size=args.tp, loss_parallel=args.loss_parallel)
     else:
         model = HandWrittenTPGPT(**kwargs)
         strategy = ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=args.tp)
@@ -172,6 +173,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=2, help="alternating (ours, hand) fits")
+    parser.add_argument("--loss-parallel", action="store_true", help="ours with loss_parallel=True (sharded logits)")
     args = parser.parse_args()
     results = run_distributed(_worker, args.tp, args, init_backend=None, timeout=1200)
     pred = results[0]["predicted"]
@@ -181,7 +183,8 @@ def main() -> None:
           f"{pred['replicated_bytes_per_rank']:,} = {pred['total_bytes_per_rank']:,} "
           f"(unsharded {pred['unsharded_total_bytes']:,})")
     medians, cpu_medians = {}, {}
-    for which, label in (("ours", "ours: tp strategy, unchanged GPT"), ("hand", "Lightning ModelParallelStrategy, hand-written")):
+    ours_label = "ours: tp, unchanged GPT" + (", loss_parallel" if args.loss_parallel else "")
+    for which, label in (("ours", ours_label), ("hand", "Lightning ModelParallelStrategy, hand-written")):
         times = [t for r in results for t in r[which]["times"]]
         medians[which] = statistics.median(times)
         cpu_medians[which] = statistics.median(t for r in results for t in r[which]["cpu_times"])

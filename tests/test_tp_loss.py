@@ -5,7 +5,7 @@ hands the step a ``Shard(-1)`` DTensor and nothing of the full logits' size is s
 backward; ``F.cross_entropy`` as a user writes it (``logits.view(-1, V)``) gives the same loss
 and gradients (mean, sum, none, ``ignore_index``, class weights); accuracy-style ``argmax`` and
 ``max(dim)`` are exact, ties across shards included; what loss parallelism cannot keep sharded
-(``softmax``, label smoothing) still computes the right values, with a warning; outside a step
+(``softmax``, label smoothing, tensor indexing) still computes the right values, with a warning; outside a step
 the head returns the gathered logits, and logits returned from a step leave as plain tensors.
 """
 
@@ -117,7 +117,11 @@ def _worker() -> dict[str, Any]:
             logits = model(x)
             probs = logits.softmax(dim=-1)
             smooth = F.cross_entropy(logits.view(-1, V), y.view(-1), label_smoothing=0.1)
-        assert type(probs) is torch.Tensor and type(smooth) is torch.Tensor
+            picked = logits[torch.arange(B), 3]  # advanced indexing (tensor index)
+            last = logits[:, -1, :].argmax(-1)  # basic slice stays sharded, argmax exact
+        assert type(probs) is torch.Tensor and type(smooth) is torch.Tensor and type(picked) is torch.Tensor
+        _close(picked, ref_logits[torch.arange(B), 3], "advanced indexing")
+        assert torch.equal(last, ref_logits[:, -1, :].argmax(-1))
         _close(probs, ref_logits.softmax(dim=-1), "softmax")
         _close(smooth, F.cross_entropy(ref_logits.view(-1, V), y.view(-1), label_smoothing=0.1), "label smoothing")
     out["warnings"] = [str(w.message) for w in caught if "loss_parallel" in str(w.message)]

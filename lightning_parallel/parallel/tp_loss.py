@@ -15,7 +15,7 @@ written for a plain tensor. What this module does, during a step (:func:`sharded
   (``predict_step``, a plain ``model(x)``) the same hook gathers, as without loss parallelism.
 * A ``TorchFunctionMode`` watches every call that receives marked logits:
 
-  - reshapes, views, slices, ``detach``, dtype casts and metadata (``size()``, ``shape``,
+  - reshapes, views, basic slices, ``detach``, dtype casts and metadata (``size()``, ``shape``,
     ``ndim``, ...) run on the DTensor: global shapes, so ``logits.view(-1, V)`` with the
     global ``V`` stays correct, and the result stays marked while it is still sharded;
   - ``F.cross_entropy`` (and ``nn.CrossEntropyLoss``) with class-index targets, on logits
@@ -26,7 +26,7 @@ written for a plain tensor. What this module does, during a step (:func:`sharded
     rank's first maximum and its global index are all-gathered (2 numbers per row) and the
     first global maximum wins, which is exactly ``torch.argmax``'s tie rule;
   - anything else (``softmax``, ``log_softmax``, ``topk``, label smoothing, probability
-    targets, a torchmetrics update on the logits, ``print``) first gathers the full logits
+    targets, indexing with tensors, a torchmetrics update on the logits, ``print``) first gathers the full logits
     (a differentiable all-gather) and runs on plain tensors. That is always correct, but it
     does not save the memory of the full logits, so rank 0 warns once per operation.
 
@@ -241,6 +241,14 @@ def _sharded_argmax(func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     return torch.return_types.max((values, indices))
 
 
+def _tensor_index(func: Callable[..., Any], args: tuple) -> bool:
+    """``logits[mask]`` / ``logits[rows, cols]``: advanced indexing mixes in plain tensors, so gather."""
+    if func is not Tensor.__getitem__ or len(args) < 2:
+        return False
+    index = args[1] if isinstance(args[1], tuple) else (args[1],)
+    return any(isinstance(i, (Tensor, list)) for i in index)
+
+
 class ShardedLogitsMode(TorchFunctionMode):
     """Routes the calls that receive marked (vocabulary-sharded) logits; see the module doc."""
 
@@ -248,7 +256,7 @@ class ShardedLogitsMode(TorchFunctionMode):
         kwargs = kwargs or {}
         if _paused or not _any_marked(args, kwargs):
             return func(*args, **kwargs)
-        if func in _LAYOUT_OPS or getattr(func, "__name__", "") == "__get__":
+        if (func in _LAYOUT_OPS or getattr(func, "__name__", "") == "__get__") and not _tensor_index(func, args):
             out = func(*args, **kwargs)
             return _settle(out) if isinstance(out, Tensor) else out
         if func in _CROSS_ENTROPY:

@@ -98,6 +98,7 @@ def _worker() -> dict[str, Any]:
     with torch.no_grad(), sharded_logits_step(True):
         logits = model(x)
         _close(logits.detach().argmax(dim=-1).float(), ref_logits.argmax(dim=-1).float(), "argmax")
+        _close(F.cross_entropy(logits.view(-1, V), y.view(-1)), ref_loss.detach(), "loss without grad (validation)")
         values, idx = torch.max(logits, dim=2, keepdim=True)
         ref_values, ref_idx = torch.max(ref_logits, dim=2, keepdim=True)
         _close(values, ref_values, "max values")

@@ -254,3 +254,91 @@ def test_rng_stream_for_each_rank() -> None:
         rng_state_for_rank({"torch": saved[0]["torch"]}, 0)
     with pytest.raises(TypeError, match=r"must be a list with one dict of RNG states per saved rank"):
         rng_state_for_rank([saved[0], "not a state"], 1)
+
+
+# ---------------------------------------------------------------- tensor x pipeline parallel (3D)
+# Pipeline stages are traced on the first batch: then each rank frees the parameters other
+# stages own and, under tp, turns the ones it keeps into DTensors (the optimizer follows). A
+# checkpoint must hold every parameter and momentum buffer once, full-sized, under its name.
+TP_PP = {"tensor_parallel_size": 2, "pipeline_parallel_size": 2, "microbatches": 2}
+DP_TP_PP = {"data_parallel_size": 2, **TP_PP}
+
+
+def _export_cli(checkpoint: Path, out: Path) -> dict[str, torch.Tensor]:
+    """Run ``python -m lightning_parallel.export`` as a user would, load the file into a fresh,
+    unwrapped GPT (strict) and return what it loaded."""
+    import subprocess
+    import sys
+
+    from lightning_parallel.models import GPT as GPTModel
+
+    done = subprocess.run([sys.executable, "-m", "lightning_parallel.export", str(checkpoint), str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert f"to {out}" in done.stdout
+    if out.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        state = load_file(str(out))
+    else:
+        state = torch.load(out, weights_only=True)  # plain tensors only
+    fresh = GPTModel(**GPT.model_kwargs)
+    fresh.load_state_dict(state, strict=True)
+    return dict(fresh.state_dict())
+
+
+@pytest.mark.slow
+def test_resume_tp2_x_pp2_on_one_process_and_export(tmp_path: Path) -> None:
+    """tp2 x pp2 -> one process, from a sharded directory and from a consolidated file (which
+    must hold the optimizer state of every stage, not only rank 0's); both, exported offline with
+    the CLI, equal the parameters the tp2 x pp2 run gathered."""
+    reference = _run([GPT], 1)[0]
+    sharded_a, sharded_b = _phases(GPT, tmp_path / "3d.ckpt", TP_PP, {}, True)
+    full_a, full_b = _phases(GPT, tmp_path / "3d-full.ckpt", TP_PP, {}, False)
+    saved = _run([sharded_a, full_a], 4)
+    for label, result in zip(("sharded", "full file"), saved):  # the first epoch itself matches one process
+        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(reference["losses"][:3]), rtol=1e-5, atol=0,
+                                   msg=lambda m: f"tp2 x pp2 ({label}), first epoch: {m}")
+    assert (tmp_path / "3d.ckpt").is_dir() and (tmp_path / "3d-full.ckpt").is_file()
+    resumed = _run([sharded_b, full_b], 1)
+    _assert_continues(resumed[0], reference, "tp2 x pp2 -> 1 (sharded)")
+    _assert_continues(resumed[1], reference, "tp2 x pp2 -> 1 (full file)")
+    gathered = saved[0]["params"]
+    torch.testing.assert_close(saved[1]["params"], gathered, rtol=0, atol=0)  # both runs trained alike
+    for source, suffix in (("3d.ckpt", ".pt"), ("3d.ckpt", ".safetensors"), ("3d-full.ckpt", ".pt")):
+        state = _export_cli(tmp_path / source, tmp_path / f"{source}{suffix}")
+        assert gathered.keys() <= state.keys(), suffix
+        for name, value in gathered.items():
+            assert value.numel() > 0, f"{name} is a freed pipeline copy, not the parameter"
+            torch.testing.assert_close(state[name], value, rtol=0, atol=0, msg=lambda m: f"{source} -> {suffix} {name}: {m}")
+
+
+def _saved_momenta(path: Path) -> dict[str, torch.Tensor]:
+    """Every momentum buffer of a sharded checkpoint, read offline under its parameter's name."""
+    import torch.distributed.checkpoint as dcp
+
+    prefix, suffix = "optimizer_0.state.", ".momentum_buffer"
+    metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    state = {key: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+             for key, meta in metadata.items() if key.startswith(prefix) and key.endswith(suffix)}
+    dcp.load(state, checkpoint_id=str(path))
+    return {key[len(prefix):-len(suffix)]: value for key, value in state.items()}
+
+
+@pytest.mark.slow
+def test_resume_one_process_on_dp2_x_tp2_x_pp2(tmp_path: Path) -> None:
+    """One process -> dp2 x tp2 x pp2 (8 processes): the loaded full tensors are split into
+    stages, and tensor shards with their momentum buffers, when the first batch is traced. The
+    resumed run saves again: its momentum buffers must be the uninterrupted run's. (Every rank
+    restored every buffer; the stages that released a parameter hold a stale copy of its
+    buffer, which must not reach the checkpoint.)"""
+    plain = dataclasses.replace(GPT, strategy=_strategy({}, True), save_to=str(tmp_path / "reference.ckpt"))
+    single_a, b = _phases(GPT, tmp_path / "single.ckpt", {}, DP_TP_PP, True)
+    reference, _ = _run([plain, single_a], 1)
+    resumed = _run([dataclasses.replace(b, save_to=str(tmp_path / "3d.ckpt"))], 8)[0]
+    _assert_continues(resumed, reference, "1 -> dp2 x tp2 x pp2")
+    expected, saved = _saved_momenta(tmp_path / "reference.ckpt"), _saved_momenta(tmp_path / "3d.ckpt")
+    assert saved.keys() == expected.keys() == reference["params"].keys()
+    for name, ref in expected.items():  # the attention key bias has zero gradient: its momentum is round-off
+        error = float((saved[name] - ref).norm() / ref.norm().clamp_min(1e-12))
+        assert error <= 1e-5 or float(ref.norm()) < 1e-8, f"momentum of {name} under dp2 x tp2 x pp2: relative error {error:.2e}"

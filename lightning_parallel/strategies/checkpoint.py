@@ -14,6 +14,10 @@ mid-write) leaves the previous checkpoint intact, and a directory without ``meta
 taken for a checkpoint. Loading compares every shape first and names the parameter and both
 shapes on a mismatch: never a silent partial load.
 
+Under pipeline parallelism each rank saves the optimizer state of the parameters its stages keep,
+and nothing else (:func:`pipeline_optimizer_state`); the model state is gathered from the owners
+by the pipeline driver.
+
 ZeRO-1's ``ZeroRedundancyOptimizer`` is not understood by DCP's optimizer API; its state is
 consolidated on rank 0 and stored, keyed by FQN like every other optimizer state, in the
 non-DCP part of the checkpoint.
@@ -69,6 +73,37 @@ def optimizer_state(module: nn.Module, optimizer: Optimizer, full: bool) -> dict
         groups = [{**g, "params": [order[i] for i in g["params"]]} for g in indexed["param_groups"]]
         return {"state": {order[i]: s for i, s in indexed["state"].items()}, "param_groups": groups}
     return get_optimizer_state_dict(module, optimizer, options=StateDictOptions(full_state_dict=full, cpu_offload=full))
+
+
+def pipeline_optimizer_state(
+    module: nn.Module, optimizer: Optimizer, full: bool, keepers: dict[str, int], group: dist.ProcessGroup
+) -> dict[str, Any]:
+    """FQN-keyed optimizer state under pipeline parallelism: each parameter's state from one stage only.
+
+    Why not :func:`optimizer_state`: a pipeline rank holds live state only for the parameters its
+    stages own, and may hold *stale* state for the others (a checkpoint restored before the
+    stages were traced loads every parameter's momentum on every rank; the released parameters
+    never step again). Saved as is, DCP would keep one of the duplicate copies of a key, maybe
+    the stale one, or refuse a key that is a DTensor on its owner and a plain tensor elsewhere;
+    a consolidated file would hold only rank 0's stage. So only the keeping rank's entries are
+    kept (``keepers``: FQN -> rank in the pipeline ``group`` that keeps the parameter, the rule
+    :meth:`PipelineDriver.gather_state` uses for the model; FQNs absent from it, as before the
+    stages are traced, belong to pipeline rank 0). With ``full`` the kept entries, consolidated
+    over the tensor/data-parallel shards, are gathered over ``group`` so that every rank returns
+    the complete state (Lightning writes rank 0's).
+    """
+    state = get_optimizer_state_dict(module, optimizer, options=StateDictOptions(full_state_dict=full, cpu_offload=False))
+    me = dist.get_rank(group)
+    kept = {name: value for name, value in state["state"].items() if keepers.get(name, 0) == me}
+    if not full:
+        return {"state": kept, "param_groups": state["param_groups"]}
+    kept = {name: {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in value.items()}
+            for name, value in kept.items()}
+    parts: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, kept, group=group)
+    merged = {name: value for part in parts for name, value in part.items()}
+    order = [name for group_ in state["param_groups"] for name in group_["params"]]
+    return {"state": {name: merged[name] for name in order if name in merged}, "param_groups": state["param_groups"]}
 
 
 def _load_zero1_state(module: nn.Module, optimizer: ZeroRedundancyOptimizer, state: dict[str, Any]) -> None:

@@ -644,6 +644,9 @@ class HybridParallelStrategy(ParallelStrategy):
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
         assert self.lightning_module is not None
+        if self._pipeline is not None:  # each parameter's state from the stage keeping it (see the function)
+            return ckpt.pipeline_optimizer_state(self.lightning_module, optimizer, not self._save_distributed_checkpoint,
+                                                 self._pipeline._keepers, self._pipeline.group)
         return ckpt.optimizer_state(self.lightning_module, optimizer, full=not self._save_distributed_checkpoint)
 
     @override

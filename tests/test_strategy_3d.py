@@ -10,6 +10,7 @@ tensor shards of every stage.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,7 +20,7 @@ from lightning_parallel.parallel.auto_degrees import choose_3d_degrees
 from lightning_parallel.strategies.pipeline_driver import resolve_pipeline_config
 from lightning_parallel.testing import run_distributed
 from lightning_parallel.testing.parity import FitSpec, run_fit, run_fits
-from tests.test_data_parallel import HYBRID, assert_parity
+from tests.test_data_parallel import assert_parity
 
 GPT_KWARGS = {"vocab_size": 64, "block_size": 16, "n_layer": 4, "n_head": 4, "n_embd": 32, "lr": 0.5}
 SPEC = FitSpec(
@@ -33,7 +34,7 @@ SPEC = FitSpec(
 
 
 def _hybrid(**kwargs: Any) -> dict[str, Any]:
-    return {"class": HYBRID, **kwargs}
+    return {"class": "lightning_parallel:HybridParallelStrategy", **kwargs}
 
 
 def _check(cases: list[tuple[str, Any]], devices: int, timeout: float) -> list[list[dict[str, Any]]]:
@@ -111,4 +112,32 @@ def test_tp2_x_pp2_and_3d_preset_match_single_process() -> None:
 
 @pytest.mark.slow
 def test_dp2_x_tp2_x_pp2_matches_single_process() -> None:
-    _check([("dp2 x tp2 x pp2 gpipe", _hybrid(data_parallel_size=2, tensor_parallel_size=2, pipeline_parallel_size=2))], 8, timeout=600)
+    _check(
+        [
+            ("dp2 x tp2 x pp2 gpipe", _hybrid(data_parallel_size=2, tensor_parallel_size=2, pipeline_parallel_size=2)),
+            ("dp2 x tp2 x pp2 1f1b zero3", _hybrid(data_parallel_size=2, tensor_parallel_size=2, pipeline_parallel_size=2, zero_stage=3)),
+        ],
+        8,
+        timeout=900,
+    )
+
+
+def _eval_worker(ckpt_dir: str) -> list[dict[str, Any]]:
+    from tests.test_strategy_pp import _eval_run
+
+    return [
+        _eval_run(_hybrid(data_parallel_size=2, pipeline_parallel_size=2, zero_stage=3), 4, f"{ckpt_dir}/zero3"),
+        _eval_run(_hybrid(tensor_parallel_size=2, pipeline_parallel_size=2), 4, f"{ckpt_dir}/tp"),
+    ]
+
+
+@pytest.mark.slow
+def test_zero3_and_tp_stages_validate_predict_and_checkpoint(tmp_path: Path) -> None:
+    """The forward-only pipes under ZeRO-3 stages (gathered for evaluation) and tensor-parallel stages:
+    ModelCheckpoint(monitor="val_loss"), trainer.validate and trainer.predict equal one process."""
+    from tests.test_strategy_pp import _assert_eval_matches, _eval_run
+
+    results = run_distributed(_eval_worker, 4, str(tmp_path), init_backend=None, timeout=600)
+    reference = _eval_run("auto", 1, str(tmp_path / "ref"))
+    for index in range(2):
+        _assert_eval_matches([per_rank[index] for per_rank in results], reference)

@@ -99,11 +99,16 @@ def test_pp2_schedules_match_single_process() -> None:
 
 
 @pytest.mark.slow
-def test_pp4_and_dp2_pp2_match_single_process() -> None:
+def test_pp4_and_dp2_pp2_with_zero_match_single_process() -> None:
     cases = [
         ("gpt pp4 1f1b+clip", dataclasses.replace(GPT_SPEC, strategy=_pp("1f1b", pp=4), devices=4, trainer_kwargs=CLIP)),
         ("gpt dp2xpp2 1f1b+clip", dataclasses.replace(GPT_SPEC, strategy=_pp("1f1b", data_parallel_size=2), devices=4, trainer_kwargs=CLIP)),
         ("mlp dp2xpp2 gpipe+accumulate", dataclasses.replace(MLP_SPEC, strategy=_pp("gpipe", data_parallel_size=2), devices=4, trainer_kwargs=ACCUM)),
+        # ZeRO inside the stages (FSDP2 per stage): 3 re-gathers per microbatch, 1 keeps them to the backward.
+        ("gpt dp2xpp2 1f1b zero3+clip", dataclasses.replace(
+            GPT_SPEC, strategy=_pp("1f1b", data_parallel_size=2, zero_stage=3), devices=4, trainer_kwargs=CLIP)),
+        ("mlp dp2xpp2 gpipe zero1+accumulate", dataclasses.replace(
+            MLP_SPEC, strategy=_pp("gpipe", data_parallel_size=2, zero_stage=1), devices=4, trainer_kwargs=ACCUM)),
     ]
     _check_fits(cases, 4, timeout=500)
 
@@ -172,9 +177,7 @@ def _eval_and_errors_worker(ckpt_dir: str) -> dict[str, Any]:
     return out
 
 
-def test_pp2_validate_predict_checkpoint_and_errors(tmp_path: Path) -> None:
-    results = run_distributed(_eval_and_errors_worker, 2, str(tmp_path / "pp"), init_backend=None, timeout=300)
-    reference = _eval_run("auto", 1, str(tmp_path / "ref"))
+def _assert_eval_matches(results: list[dict[str, Any]], reference: dict[str, Any]) -> None:
     for rank, result in enumerate(results):
         assert result["step"] == reference["step"] == 6
         assert result["best"] == pytest.approx(reference["best"], rel=1e-5), rank
@@ -188,6 +191,13 @@ def test_pp2_validate_predict_checkpoint_and_errors(tmp_path: Path) -> None:
         assert result["state"].keys() == reference["state"].keys()
         for key, value in reference["state"].items():
             torch.testing.assert_close(result["state"][key], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank} {key}: {m}")
+
+
+def test_pp2_validate_predict_checkpoint_and_errors(tmp_path: Path) -> None:
+    results = run_distributed(_eval_and_errors_worker, 2, str(tmp_path / "pp"), init_backend=None, timeout=300)
+    reference = _eval_run("auto", 1, str(tmp_path / "ref"))
+    _assert_eval_matches(results, reference)
+    for result in results:
         few, indivisible, branchy = result["errors"]
         assert "schedule '1f1b' needs at least as many microbatches as stages" in few
         assert "must be divisible by 4" in indivisible
@@ -203,8 +213,8 @@ def test_config_errors_before_any_process() -> None:
         resolve_pipeline_config(model, 4, "1f1b", 4, "auto", None)
     with pytest.raises(ValueError, match="unknown schedule"):
         resolve_pipeline_config(model, 2, "zigzag", 2, "auto", None)
-    with pytest.raises(ValueError, match="`zero_stage`=3 is invalid: it is not supported together with pipeline"):
-        resolve_pipeline_config(model, 2, "1f1b", 2, "auto", None, zero_stage=3)
+    with pytest.raises(ValueError, match="`cpu_offload`=True is invalid: it is not supported together with pipeline"):
+        resolve_pipeline_config(model, 2, "1f1b", 2, "auto", None, zero_stage=3, cpu_offload=True)
     with pytest.raises(ValueError, match="runs one stage per rank"):
         resolve_pipeline_config(model, 2, "1f1b", 2, 2, None)
     config = resolve_pipeline_config(GPT(vocab_size=32, block_size=8, n_layer=4, n_head=2, n_embd=16), 2, "zbv", "auto", "auto", None)

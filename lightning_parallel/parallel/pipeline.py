@@ -277,10 +277,14 @@ class PipelineRuntime:
 
     def stage_modules(self) -> list[nn.Module]:
         """Every local stage module, training and evaluation (they share the parameters)."""
-        stages = list(self._train._stages if hasattr(self._train, "_stages") else [self._train._stage])
-        if self._eval is not None:
-            stages += list(self._eval._stages if hasattr(self._eval, "_stages") else [self._eval._stage])
-        return [s.submod for s in stages]
+        return self.stages_submodules(train=True) + self.stages_submodules(train=False)
+
+    def stages_submodules(self, train: bool) -> list[nn.Module]:
+        """The local training (or evaluation) stage modules, in stage order."""
+        schedule = self._train if train else self._eval
+        if schedule is None:
+            return []
+        return [s.submod for s in (schedule._stages if hasattr(schedule, "_stages") else [schedule._stage])]
 
     # steps ---------------------------------------------------------------------------------------
     def _scaled_loss(self, output: Any, target: Any) -> Tensor:
@@ -348,7 +352,9 @@ class PipelineRuntime:
         A parameter on two ranks' stages counts once (on the lowest rank holding it).
         """
         params = dict(self.module.named_parameters())
-        counted = [params[n] for n in self._owned if min(self._holders[n]) == self.pp_rank]
+        # Sorted: the norm reduces per group of gradients, in the same order on every rank (a set's
+        # order follows per-process string hashing, and two groups over the same ranks would mix).
+        counted = [params[n] for n in sorted(self._owned) if min(self._holders[n]) == self.pp_rank]
         norm = total_norm(counted, norm_type, extra_groups=(self.group,))
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for name in self._owned:

@@ -160,6 +160,15 @@ def views_to_reshapes(module: nn.Module) -> int:
     return changed
 
 
+def replace_parameters(roots: Iterable[nn.Module], replaced: dict[int, nn.Parameter]) -> None:
+    """Register ``replaced[id(old)]`` wherever ``old`` is registered under ``roots`` (same names, ties kept)."""
+    for root in roots:
+        for sub in root.modules():
+            for key, tensor in list(sub._parameters.items()):
+                if tensor is not None and id(tensor) in replaced:
+                    sub._parameters[key] = replaced[id(tensor)]
+
+
 def apply_stage_tensor_parallel(
     module: nn.Module,
     stage_modules: Iterable[nn.Module],
@@ -189,11 +198,7 @@ def apply_stage_tensor_parallel(
         if new.requires_grad:
             new.register_post_accumulate_grad_hook(_grad_to_param_layout)
         replaced[id(param)] = (param, new)
-    for root in (module, *stage_modules):
-        for sub in root.modules():
-            for key, tensor in list(sub._parameters.items()):
-                if tensor is not None and id(tensor) in replaced:
-                    sub._parameters[key] = replaced[id(tensor)][1]
+    replace_parameters([module, *stage_modules], {key: new for key, (_, new) in replaced.items()})
     for stage_module in stage_modules:
         if not isinstance(stage_module.__dict__.get("forward"), TensorParallelStageForward):
             views_to_reshapes(stage_module)
@@ -223,6 +228,7 @@ __all__ = [
     "full_value",
     "local_part",
     "parameter_placements",
+    "replace_parameters",
     "swap_optimizer_parameters",
     "views_to_reshapes",
 ]

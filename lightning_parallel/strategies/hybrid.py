@@ -266,13 +266,12 @@ class HybridParallelStrategy(ParallelStrategy):
         if degrees["tensor_parallel_size"] == "auto" and degrees["pipeline_parallel_size"] == "auto":
             choice = self._choose_3d_degrees(world_size)
             degrees.update(tensor_parallel_size=choice.tp, pipeline_parallel_size=choice.pp, data_parallel_size=choice.dp)
-        return ParallelDims.resolve(
-            world_size,
-            **degrees,
-            sharded=self.zero_stage >= 2,
-            hybrid=self.hybrid_shard,
-            num_nodes=self.num_nodes,
+        dims = ParallelDims.resolve(
+            world_size, **degrees, sharded=self.zero_stage >= 2, hybrid=self.hybrid_shard, num_nodes=self.num_nodes
         )
+        if dims.pp > 1 and self.zero_stage == 1:  # pipeline stages shard over dp with FSDP2 at every zero_stage >= 1
+            dims = ParallelDims.resolve(world_size, **degrees, sharded=True, hybrid=self.hybrid_shard, num_nodes=self.num_nodes)
+        return dims
 
     def _choose_3d_degrees(self, world_size: int) -> DegreeChoice:
         """Both model-parallel degrees "auto" (strategy '3d'): chosen from the model, once, logged on rank 0."""
@@ -448,6 +447,13 @@ class HybridParallelStrategy(ParallelStrategy):
         return module
 
     @property
+    def _uses_zero_redundancy_optimizer(self) -> bool:
+        """ZeRO-1 without pipelines shards the optimizer with torch's ZeroRedundancyOptimizer (pipeline
+        stages shard with FSDP2 at every zero_stage >= 1, see parallel/pipeline_fsdp.py)."""
+        dims = self.parallel_dims
+        return self.zero_stage == 1 and dims.dp > 1 and dims.pp == 1
+
+    @property
     def tensor_parallel_plan(self) -> TensorParallelPlan:
         """The resolved tensor-parallel plan (module -> style) for the attached module."""
         self._resolve_plans()
@@ -463,7 +469,7 @@ class HybridParallelStrategy(ParallelStrategy):
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
-        if self.zero_stage != 1 or self.parallel_dims.dp == 1:
+        if not self._uses_zero_redundancy_optimizer:
             return
         group = self.parallel_dims.axis(DP).get_group()
         for idx, optimizer in enumerate(self.optimizers):
@@ -654,7 +660,7 @@ class HybridParallelStrategy(ParallelStrategy):
         path = Path(self.broadcast(str(filepath)))
         checkpoint[RNG_KEY] = gather_rng_states()
         if self._save_distributed_checkpoint:
-            ckpt.save_sharded(checkpoint, path, zero1=self.zero_stage == 1 and self.parallel_dims.dp > 1)
+            ckpt.save_sharded(checkpoint, path, zero1=self._uses_zero_redundancy_optimizer)
         else:
             super().save_checkpoint(checkpoint, path, storage_options)
 

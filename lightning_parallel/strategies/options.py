@@ -91,7 +91,8 @@ def validate_options(
             'pass e.g. tp_plan={"blocks.*.mlp.fc": "colwise", "blocks.*.mlp.proj": "rowwise"}',
         )
     tensor_parallel = degrees.get("tensor_parallel_size", 1) != 1
-    if zero_stage == 1 and tensor_parallel:
+    pipeline = degrees.get("pipeline_parallel_size", 1) != 1  # stages shard with FSDP2 at every zero_stage >= 1
+    if zero_stage == 1 and tensor_parallel and not pipeline:
         raise config_error(
             ValueError,
             "zero_stage",

@@ -35,6 +35,7 @@ from torch import Tensor, nn
 from lightning_parallel.parallel.dims import DP, PP, TP
 from lightning_parallel.parallel.errors import config_error
 from lightning_parallel.parallel.pipeline import PipelineRuntime, build_pipeline
+from lightning_parallel.parallel.pipeline_fsdp import apply_stage_fsdp, unsharded_for_eval
 from lightning_parallel.parallel.pipeline_tp import (
     apply_stage_tensor_parallel,
     full_value,
@@ -97,11 +98,12 @@ def resolve_pipeline_config(
     activation_checkpointing: bool = False,
     sequence_parallel: bool = False,
     loss_parallel: bool = False,
+    cpu_offload: bool = False,
 ) -> PipelineConfig:
     """Validate the pipeline options and plan the stages (no process group, no collective)."""
     spec = schedule_spec(schedule)
     unsupported = [
-        ("zero_stage", zero_stage, zero_stage >= 1, "use zero_stage=0 (gradients are averaged over the data-parallel ranks)"),
+        ("cpu_offload", cpu_offload, cpu_offload, "use cpu_offload=False with pipeline parallelism"),
         ("expert_parallel_size", ep, ep > 1, "use expert_parallel_size=1 with pipeline parallelism"),
         # Tensor parallelism inside stages (parallel/pipeline_tp.py): the zero-bubble schedules
         # split the backward by detaching DTensor gradient views in place, which autograd refuses.
@@ -155,6 +157,7 @@ class PipelineDriver:
             activation_checkpointing=strategy.activation_checkpointing,
             sequence_parallel=strategy.sequence_parallel,
             loss_parallel=getattr(strategy, "loss_parallel", False),
+            cpu_offload=strategy.cpu_offload,
         )
         self.group = dims.axis(PP).get_group()
         self._dp_group = dims.axis(DP).get_group() if dims.dp > 1 else None
@@ -203,11 +206,23 @@ class PipelineDriver:
             mapping = apply_stage_tensor_parallel(
                 self.module, self._runtime.stage_modules(), self._runtime.owned_parameter_names(), self.dims.axis(TP), plan
             )
-            swap_optimizer_parameters([getattr(o, "_optimizer", o) for o in self.strategy.optimizers], mapping)
+            swap_optimizer_parameters(self._optimizers(), mapping)
+        if self.dims.dp > 1 and self.strategy.zero_stage >= 1:  # -> data-parallel sharding (FSDP2 per stage)
+            runtime = self._runtime
+            mapping = apply_stage_fsdp(
+                self.module, runtime.stages_submodules(train=True), runtime.stages_submodules(train=False),
+                self.dims.data_parallel_mesh(), reshard_after_forward=self.strategy.zero_stage == 3,
+            )
+            swap_optimizer_parameters(self._optimizers(), mapping)
+            self._dp_group = None  # FSDP2 reduce-scatters the gradients itself
         released: list[Any] = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(released, sorted(self._runtime.released), group=self.group)
         names = [n for n, _ in (*self.module.named_parameters(), *self.module.named_buffers())]
         self._keepers = {n: min(r for r, gone in enumerate(released) if n not in gone) for n in names}
+
+    def _optimizers(self) -> list[Any]:
+        """The strategy's optimizers, unwrapped from Lightning's ``LightningOptimizer``."""
+        return [getattr(o, "_optimizer", o) for o in self.strategy.optimizers]
 
     def _check_batch(self, hook: str, probe: tuple[tuple[Any, ...], dict[str, Any]], traced: int | None) -> None:
         size = batch_size_of(*probe)
@@ -336,7 +351,9 @@ class PipelineDriver:
         if isinstance(probe, StepDone):  # the hook does not use the model: it ran already, everywhere
             replay_logs(self.module, probe.records, self.device)
             return probe.result
-        out = self.runtime.eval_step(*probe[0], **probe[1])
+        runtime = self.runtime
+        with unsharded_for_eval(runtime.stages_submodules(train=True), runtime.stages_submodules(train=False)):
+            out = runtime.eval_step(*probe[0], **probe[1])
         payload = None
         if self.runtime.holds_last:
             result, capture = self._with_output(hook, out, args, kwargs)

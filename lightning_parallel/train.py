@@ -38,13 +38,47 @@ def _num_processes(cfg: DictConfig) -> int:
     return count * int(nodes)
 
 
+def _model_for_strategy(cfg: DictConfig, strategy: str | None) -> None:
+    """``compare_model_by_strategy: {ep: moe_gpt}`` (experiment=compare): the job of that strategy
+    gets that ``model/`` option instead, e.g. expert parallelism needs a model with MoE layers.
+    The group choice cannot follow the strategy in Hydra's defaults list (an interpolated choice
+    resolves only in the primary config), hence this step."""
+    option = (cfg.get("compare_model_by_strategy") or {}).get(strategy) if strategy else None
+    if option is None:
+        return
+    path = CONF_DIR / "model" / f"{option}.yaml"
+    if not path.is_file():
+        known = sorted(p.stem for p in path.parent.glob("*.yaml"))
+        raise ValueError(
+            f"`compare_model_by_strategy.{strategy}`={option!r} is not a model config (known: {known}). "
+            "HINT: name a file of conf/model/"
+        )
+    cfg.model = OmegaConf.load(path)  # interpolations such as ${data.block_size} resolve in cfg
+
+
+def _check_degrees(cfg: DictConfig, strategy: Any, nprocs: int) -> None:
+    """Degrees vs devices x num_nodes, before any rank starts. Strategy '3d' (tensor and pipeline
+    degrees both "auto") chooses its degrees from the model: it gets the model, built on the meta
+    device (no memory), and the processes per node, as the Trainer would give them."""
+    if cfg.strategy.get("tensor_parallel_size") == "auto" and cfg.strategy.get("pipeline_parallel_size") == "auto":
+        import torch
+
+        nodes = int(cfg.trainer.get("num_nodes", 1))
+        with torch.device("meta"):
+            model = instantiate(cfg.model)
+        strategy.num_nodes = nodes
+        strategy.parallel_devices = [torch.device("cpu")] * max(1, nprocs // nodes)
+        strategy.connect(model)
+    strategy.resolve_dims(nprocs)
+
+
 def launch(cfg: DictConfig) -> dict[str, Any]:
     """Run the job on this process, or spawn one process per local rank and wait for them."""
     config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
     nprocs = _num_processes(cfg)
     strategy = instantiate(cfg.strategy)  # option errors here, once, before any rank starts
     if hasattr(strategy, "resolve_dims"):
-        strategy.resolve_dims(nprocs)  # degrees vs devices x num_nodes
+        _check_degrees(cfg, strategy, nprocs)
     if nprocs == 1 or any(var in os.environ for var in EXTERNAL_LAUNCH_VARS):
         return run_job(config_yaml)
     if cfg.trainer.get("num_nodes", 1) != 1:
@@ -59,6 +93,7 @@ def launch(cfg: DictConfig) -> dict[str, Any]:
 def main(cfg: DictConfig) -> float | None:
     OmegaConf.set_struct(cfg, False)
     cfg.output_dir = HydraConfig.get().runtime.output_dir
+    _model_for_strategy(cfg, HydraConfig.get().runtime.choices.get("strategy"))
     results = launch(cfg)
     print(f"[lightning_parallel] {results['strategy']} on {results['world_size']} processes, "
           f"{results['global_step']} steps in {results['fit_seconds']:.1f}s; fit {results['fit']}; test {results.get('test')}")

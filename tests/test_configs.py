@@ -38,8 +38,34 @@ def _resolvable(cfg, tmp: Path):  # type: ignore[no-untyped-def]
 def test_each_strategy_config_instantiates(name: str) -> None:
     cfg = _compose([f"strategy={name}"])
     strategy = instantiate(cfg.strategy)
-    if hasattr(strategy, "resolve_dims"):
-        strategy.resolve_dims(2)  # the default 2 processes fit every preset
+    if not hasattr(strategy, "resolve_dims"):
+        return
+    if cfg.strategy.get("tensor_parallel_size") == "auto" and cfg.strategy.get("pipeline_parallel_size") == "auto":
+        # '3d' chooses its degrees from the model, on at least 4 processes (as the app checks it).
+        from lightning_parallel.train import _check_degrees
+
+        dims_cfg = _compose([f"strategy={name}", "trainer.devices=4"])
+        _check_degrees(dims_cfg, strategy, 4)
+        assert (strategy.resolve_dims(4).tp, strategy.resolve_dims(4).pp) == (2, 2)
+        return
+    strategy.resolve_dims(2)  # the default 2 processes fit every other preset
+
+
+def test_compare_experiment_model_per_strategy() -> None:
+    """experiment=compare runs every strategy on the GPT except `ep` (MoE layers needed, and
+    pipelines cannot trace MoE dispatch): the app swaps in model=moe_gpt for that job only."""
+    from lightning_parallel.train import _model_for_strategy
+
+    for strategy, target in (("ep", "MoEGPT"), ("3d", "GPT"), ("dp", "GPT")):
+        cfg = _compose(["experiment=compare", f"strategy={strategy}"])
+        OmegaConf.set_struct(cfg, False)
+        _model_for_strategy(cfg, strategy)
+        assert cfg.model._target_.rsplit(".", 1)[1] == target
+        assert cfg.model.block_size == cfg.data.block_size  # interpolations resolve in the job's config
+    assert cfg.compare_devices_by_strategy["3d"] == 4 and cfg.run_test is False and cfg.data.eval_drop_last is True
+    cfg.compare_model_by_strategy = {"dp": "moe_gtp"}
+    with pytest.raises(ValueError, match=r"compare_model_by_strategy.dp`='moe_gtp' is not a model config.*moe_gpt"):
+        _model_for_strategy(cfg, "dp")
 
 
 @pytest.mark.parametrize("name", _options("model"))

@@ -75,14 +75,29 @@ def test_comparison_marks_a_failed_job_and_never_looks_complete(tmp_path: Path) 
     assert (tmp_path / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_comparison_rows_follow_the_job_numbers(tmp_path: Path) -> None:
+    monitor = {"samples_per_s": 1.0, "step_seconds": 0.1, "state_bytes_per_rank": [{"total": 2**20}]}
+    for number, strategy in ((10, "3d"), (2, "dp"), (1, "single")):
+        _fake_job(tmp_path, f"{number}_strategy={strategy}", strategy,
+                  {"fit": {}, "world_size": 1, "monitor": monitor, "model": "GPT", "layout": "tp2 pp2"})
+    write_comparison(tmp_path)
+    rows = list(csv.DictReader(open(tmp_path / "compare.csv")))
+    assert [r["strategy"] for r in rows] == ["single", "dp", "3d"]  # job 10 last, not after job 1
+    assert (rows[2]["layout"], rows[2]["model"]) == ("tp2 pp2", "GPT")
+
+
 @pytest.mark.slow
 def test_compare_experiment_sweep(tmp_path: Path) -> None:
-    proc = run(["-m", "lightning_parallel.train", "experiment=compare", "strategy=single,dp,zero3",
+    proc = run(["-m", "lightning_parallel.train", "experiment=compare", "strategy=single,dp,zero3,3d",
                 "trainer.max_steps=6", "trainer.val_check_interval=6", f"hydra.sweep.dir={tmp_path}"], ROOT, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = list(csv.DictReader(open(tmp_path / "compare.csv")))
-    assert [(r["strategy"], r["devices"], r["status"]) for r in rows] == [("single", "1", "ok"), ("dp", "2", "ok"), ("zero3", "2", "ok")]
+    assert [(r["strategy"], r["devices"], r["status"]) for r in rows] == [
+        ("single", "1", "ok"), ("dp", "2", "ok"), ("zero3", "2", "ok"), ("3d", "4", "ok")
+    ]
+    assert [(r["layout"], r["model"]) for r in rows[1:]] == [("dp2", "GPT"), ("dp2", "GPT"), ("tp2 pp2", "GPT")]
     assert float(rows[2]["state_mb_per_device"]) < float(rows[1]["state_mb_per_device"])
+    assert float(rows[3]["state_mb_per_device"]) < float(rows[2]["state_mb_per_device"])  # split 4 ways vs 2
     assert rows[0]["comm_share"] == "" and 0 < float(rows[1]["comm_share"]) < 1
     assert (tmp_path / "compare.png").exists() and "FAILED" not in (tmp_path / "compare.md").read_text()
 

@@ -24,7 +24,7 @@ from lightning_parallel.app.summary import collect_rows, markdown_table, write_c
 
 COLUMNS = (
     "strategy", "devices", "status", "samples_per_s", "tokens_per_s", "step_ms", "state_mb_per_device",
-    "peak_mb_per_device", "comm_share", "val_loss",
+    "peak_mb_per_device", "comm_share", "val_loss", "layout", "model",
 )
 CHARTS = (
     ("samples_per_s", "samples / s (global)"),
@@ -80,7 +80,7 @@ def write_comparison(sweep_dir: Path, summary_file: str = "results.json") -> str
         "state: parameters + gradients + optimizer state this rank holds (largest rank). "
         f"peak: {', '.join(kinds) or 'n/a'} (largest rank; CPU RSS includes the Python/torch runtime).",
         "comm share: host time blocked in collectives / step time, mean over ranks "
-        "(DTensor tensor-parallel collectives are not counted: a lower bound for tp).",
+        "(DTensor tensor-parallel collectives are not counted: a lower bound for tp and 3d).",
     ]
     table = markdown_table(rows, COLUMNS) + "\n" + "\n".join(notes)
     (sweep_dir / "compare.md").write_text(table + "\n")

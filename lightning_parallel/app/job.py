@@ -47,6 +47,11 @@ def run_job(config_yaml: str) -> dict[str, Any]:
     results["global_step"] = trainer.global_step
     results["world_size"] = trainer.world_size
     results["strategy"] = type(trainer.strategy).__name__
+    results["model"] = type(model).__name__
+    dims = getattr(trainer.strategy, "parallel_dims", None)
+    if dims is not None:  # e.g. "dp2 tp2 pp2": what '3d' and the "auto" degrees chose
+        degrees = [f"{axis}{getattr(dims, axis)}" for axis in ("dp", "tp", "pp", "ep") if getattr(dims, axis) > 1]
+        results["layout"] = " ".join(degrees) or "1 process"
     monitor = next((c for c in trainer.callbacks if isinstance(c, ParallelismMonitor)), None)  # type: ignore[attr-defined]
     if monitor is not None and monitor.summary is not None:
         results["monitor"] = monitor.summary

@@ -47,9 +47,15 @@ def monitor_columns(monitor: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _job_order(job_dir: Path) -> tuple[int, str]:
+    """Hydra's job number first (``10_...`` after ``9_...``, not after ``1_...``), then the name."""
+    number = job_dir.name.split("_", 1)[0]
+    return (int(number) if number.isdigit() else 1 << 30, job_dir.name)
+
+
 def collect_rows(sweep_dir: Path, summary_file: str = "results.json") -> list[dict[str, Any]]:
     rows = []
-    for job_dir in sorted(p for p in sweep_dir.iterdir() if p.is_dir() and (p / ".hydra").is_dir()):
+    for job_dir in sorted((p for p in sweep_dir.iterdir() if p.is_dir() and (p / ".hydra").is_dir()), key=_job_order):
         overrides_file = job_dir / ".hydra" / "overrides.yaml"
         overrides = overrides_file.read_text().replace("\n- ", " ").strip("- \n") if overrides_file.exists() else ""
         result_file = job_dir / summary_file
@@ -67,6 +73,8 @@ def collect_rows(sweep_dir: Path, summary_file: str = "results.json") -> list[di
                 val_acc=fit.get("val_acc"),
                 test_loss=test.get("test_loss"),
                 test_acc=test.get("test_acc"),
+                model=data.get("model"),
+                layout=data.get("layout"),
             )
             if data.get("monitor"):
                 row.update(monitor_columns(data["monitor"]))

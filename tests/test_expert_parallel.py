@@ -289,13 +289,41 @@ CONFIGS: list[dict[str, Any]] = [
 ]
 
 
+def _idle_expert_rank(dims: dict[int, ParallelDims]) -> float:
+    """A router that sends every token to ep rank 0's experts (zero gate: ties pick experts 0, 1):
+    ep rank 1 receives no rows, and both the HF-style experts module and ours return outputs that
+    do not depend on their (empty) input. The backward must still reach rank 1's dispatch
+    all-to-all, which rank 0 waits in for its tokens' gradients (this hung before the fix)."""
+    errs = []
+    for model_name in ("ours", "hf_attr"):
+        cfg = {"top_k": 2} if model_name == "ours" else {"top_k": 2, "model": "hf_attr"}
+        ref, par = _build(cfg), _build(cfg)
+        for m in (ref, par):
+            gate = m.moe.router.gate if isinstance(m, Net) else m.layers[0].mlp.gate
+            with torch.no_grad():
+                gate.weight.zero_()
+        apply_expert_parallel(par, dims[2].axis(EP))
+        x = torch.randn(BATCH, SEQ, DIM, generator=torch.Generator().manual_seed(3))
+        ref(x).square().mean().backward()
+        par(x).square().mean().backward()
+        dense = [(n, p) for n, p in par.named_parameters() if not isinstance(p, DTensor)]
+        ref_params = dict(ref.named_parameters())
+        errs += [_rel(p.grad, ref_params[n].grad) for n, p in dense]
+    return max(errs)
+
+
 def _worker() -> dict[str, Any]:
     dims = {ep: ParallelDims.resolve(4, expert_parallel_size=ep) for ep in (2, 4)}
     for pd in dims.values():
         pd.build_mesh("cpu")
     bad = _bad_input_on_rank0(dims)
     results = {cfg["name"]: _run_config(cfg, dims) for cfg in CONFIGS}
-    return {"configs": results, "traffic": _traffic_check(dims), "bad": bad}
+    return {"configs": results, "traffic": _traffic_check(dims), "bad": bad, "idle": _idle_expert_rank(dims)}
+
+
+def test_a_rank_whose_experts_get_no_tokens_neither_hangs_nor_changes_gradients(results: list[dict[str, Any]]) -> None:
+    for res in results:
+        assert res["idle"] <= TOL
 
 
 @pytest.fixture(scope="module")

@@ -52,4 +52,12 @@ def test_ep2_matches_single_process() -> None:
 
 @pytest.mark.slow
 def test_ep2_dp2_matches_single_process() -> None:
-    _check([("ep2xedp2 zero0", {"expert_parallel_size": 2}), ("ep2xedp2 zero3", {"expert_parallel_size": 2, "zero_stage": 3})], 4)
+    _check(
+        [
+            ("ep2xedp2 zero0", {"expert_parallel_size": 2}),
+            ("ep2xedp2 zero3", {"expert_parallel_size": 2, "zero_stage": 3}),
+            # 4D minus pipelines: attention split over tp, experts over the dp ranks of each tp column.
+            ("ep2 x tp2", {"expert_parallel_size": 2, "tensor_parallel_size": 2}),
+        ],
+        4,
+    )

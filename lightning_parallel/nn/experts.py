@@ -93,8 +93,10 @@ class GroupedExperts(nn.Module):
             outputs.append(_activate(self.activation, rows @ self.w1[e], gate) @ self.w2[e])
         if not outputs:
             # No rows: still touch every weight so each rank produces a (zero) gradient for it,
-            # and gradient reduction over replicas never meets a missing gradient.
-            touch = sum(w.sum() for w in (self.w1, self.w2, self.w3) if w is not None)
+            # and gradient reduction over replicas never meets a missing gradient; touch the
+            # (empty) input too, so that under expert parallelism the backward still reaches the
+            # dispatch all-to-all, whose peers wait for this rank's part of it.
+            touch = sum(w.sum() for w in (self.w1, self.w2, self.w3) if w is not None) + x.sum()
             return x.new_zeros(0, self.w2.shape[-1]) + 0.0 * touch
         return torch.cat(outputs, dim=0)
 

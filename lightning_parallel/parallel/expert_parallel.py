@@ -26,6 +26,8 @@ All validation (layout, divisibility) happens before the first collective.
 
 from __future__ import annotations
 
+import math
+
 import inspect
 import re
 from collections.abc import Callable, Iterator, Sequence
@@ -82,7 +84,7 @@ class _AllToAll(torch.autograd.Function):
 
 
 def _remote_bytes(x: Tensor, splits: list[int], me: int) -> int:
-    row = x[0].numel() * x.element_size() if x.dim() > 1 else x.element_size()
+    row = math.prod(x.shape[1:]) * x.element_size()  # from the shape: a rank may send no rows at all
     return (sum(splits) - splits[me]) * row
 
 
@@ -283,6 +285,11 @@ class _ExpertParallelForward:
         ones = torch.ones(local_index.shape, dtype=weights.dtype, device=weights.device)
         with _local_weights(self.module, self.param_names, self.grad_scale, self.local_experts, self.patch_count):
             h = self.original_forward(rows, local_index, ones)
+        if rows.requires_grad:
+            # An experts module given no rows may return a tensor that does not depend on them
+            # (e.g. zeros); the backward would then skip the dispatch all-to-all on this rank
+            # while its peers wait there for their tokens' gradients.
+            h = h + 0.0 * rows.sum()
         back = _AllToAll.apply(h, recv, send, self.group, self.ep_rank, self.traffic)
         back = back * weights.reshape(-1)[assignment].unsqueeze(-1).to(back.dtype)
         out = torch.zeros_like(x).index_add(0, token, back)

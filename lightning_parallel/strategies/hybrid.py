@@ -351,6 +351,8 @@ class HybridParallelStrategy(ParallelStrategy):
         ``setup()`` instead, symmetrically on every rank.
         """
         module = self.lightning_module
+        if module is not None and module in _PARALLELIZED:
+            return  # laid out by an earlier stage (fit, then test): its plans were checked then
         if self.parallel_dims.ep > 1 and module is not None and any(True for _ in module.parameters()):
             validate_expert_parallel(module, self.parallel_dims.ep)  # no MoE layer, E % ep: before any collective
         if self._tp_resolved is None and self.parallel_dims.tp > 1 and module is not None and any(

@@ -81,6 +81,12 @@ def test_3d_error_lists_the_degrees_tried() -> None:
     # Pipeline stages need blocks: with 1-stage-worth of layers and 4 stages per rank... too few.
     with pytest.raises(ValueError, match=r"pipeline-parallel degree.*pp=2"):
         choose_3d_degrees(_gpt(n_layer=1), 4, processes_per_node=4, virtual_stages=8)
+    # MoE layers cannot be traced into pipeline stages: said up front, not at the first batch.
+    from lightning_parallel.models import MoEGPT
+
+    moe = MoEGPT(vocab_size=64, block_size=16, n_layer=4, n_head=4, n_embd=32, num_experts=4)
+    with pytest.raises(ValueError, match=r"pipeline-parallel degree.*pp=2: the model has MoE layers"):
+        choose_3d_degrees(moe, 4, processes_per_node=4)
     with pytest.raises(ValueError, match=r"data_parallel_size.*divide the world size 8"):
         choose_3d_degrees(_gpt(), 8, processes_per_node=8, data_parallel_size=3)
 

@@ -13,6 +13,10 @@ greater than one that the model allows, and data parallelism takes every remaini
   blocks to cut into stages;
 * data parallel: ``world / (t * p)``.
 
+A model with MoE layers gets no pipeline degree: expert dispatch has data-dependent shapes,
+which ``torch.export`` cannot trace into a stage, so "3d" reports that instead of failing at
+the first batch (give ``pipeline_parallel_size=1`` and ``expert_parallel_size`` for tp x ep).
+
 "3D" asks for both model-parallel axes, so a model that allows neither a tensor- nor a
 pipeline-parallel degree above one (e.g. a prime head count and fewer blocks than devices) is
 an error listing every degree tried and why it failed, not a silent fallback to plain data
@@ -26,6 +30,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from lightning_parallel.parallel.errors import config_error
+from lightning_parallel.parallel.expert_parallel import find_expert_modules
 from lightning_parallel.parallel.pipeline_plan import plan_pipeline
 from lightning_parallel.parallel.tp_plan import resolve_tp_plan
 
@@ -115,8 +120,14 @@ def choose_3d_degrees(
             break
         failures.append(f"tp={t}: {reason}")
     pp = 1
+    experts = find_expert_modules(module)
     for p in _divisors(model_ranks // tp):
         reason = _pp_fits(module, p, virtual_stages, split_points)
+        if reason is None and experts:
+            reason = (
+                f"the model has MoE layers ({next(iter(experts))}): expert dispatch has data-dependent shapes, "
+                "which a traced pipeline stage cannot hold"
+            )
         if reason is None:
             pp = p
             tried.append(f"pp={p}: enough blocks for {p * virtual_stages} stages")

@@ -127,17 +127,18 @@ def _eval_run(strategy: Any, devices: int, ckpt_dir: str) -> dict[str, Any]:
     pl.seed_everything(7, verbose=False)
     model = GPT(**GPT_KWARGS)
     checkpoint = ModelCheckpoint(dirpath=ckpt_dir, monitor="val_loss", mode="min", save_top_k=1)
+    every_epoch = ModelCheckpoint(dirpath=f"{ckpt_dir}/all", save_top_k=-1)
     trainer = pl.Trainer(
         accelerator="cpu", devices=devices, strategy=parity._make_strategy(strategy), max_epochs=2, limit_train_batches=3,
         limit_val_batches=2, num_sanity_val_steps=1, use_distributed_sampler=False, logger=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=[checkpoint],
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[checkpoint, every_epoch],
     )
     trainer.fit(model, _loader(8, 0, 64), _loader(8, 64, 32))
     driver = getattr(trainer.strategy, "_pipeline", None)
     state = driver.model_state(full=True) if driver is not None else model.state_dict()
     validated = trainer.validate(model, _loader(8, 96, 32), verbose=False)
     predictions = trainer.predict(model, _loader(8, 96, 16))
-    return {
+    out = {
         "best": float(checkpoint.best_model_score),
         "best_path": Path(checkpoint.best_model_path).name,
         "callback_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
@@ -146,6 +147,12 @@ def _eval_run(strategy: Any, devices: int, ckpt_dir: str) -> dict[str, Any]:
         "step": trainer.global_step,
         "state": {k: v.detach().cpu().clone() for k, v in state.items()},
     }
+    # Load an older checkpoint into the already traced (pipeline) layout: the first epoch's weights.
+    # (Loading also restores the callbacks' state, so everything above is read before.)
+    out["validated_first"] = trainer.validate(
+        model, _loader(8, 96, 32), ckpt_path=f"{ckpt_dir}/all/epoch=0-step=3.ckpt", verbose=False
+    )
+    return out
 
 
 def _error_run(strategy: Any, global_batch: int, model: str = "lightning_parallel.models:GPT", kwargs: dict[str, Any] | None = None) -> str:
@@ -188,6 +195,9 @@ def _assert_eval_matches(results: list[dict[str, Any]], reference: dict[str, Any
         for key, value in reference["validated"][0].items():
             assert result["validated"][0][key] == pytest.approx(value, rel=1e-5), (rank, key)
         torch.testing.assert_close(result["predictions"], reference["predictions"], rtol=1e-5, atol=1e-5)
+        assert reference["validated_first"][0]["val_loss"] != pytest.approx(reference["validated"][0]["val_loss"], rel=1e-3)
+        for key, value in reference["validated_first"][0].items():
+            assert result["validated_first"][0][key] == pytest.approx(value, rel=1e-5), (rank, key)
         assert result["state"].keys() == reference["state"].keys()
         for key, value in reference["state"].items():
             torch.testing.assert_close(result["state"][key], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank} {key}: {m}")

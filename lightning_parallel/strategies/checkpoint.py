@@ -200,6 +200,26 @@ def load_into(
     return checkpoint
 
 
+def read_full_model_state(path: Path, template: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The checkpoint's model tensors as full plain tensors shaped like ``template`` (same keys).
+
+    For a layout whose own tensors cannot take a load in place (a traced pipeline: released
+    copies, stage-local DTensors), the full values are read first and placed by the caller.
+    Shapes are checked against ``template`` first (parameter name and both shapes on a mismatch).
+    """
+    if is_sharded_checkpoint(path):
+        check_shapes({k: tuple(v.shape) for k, v in template.items()}, _sharded_model_shapes(path), path)
+        state = {"state_dict": {k: v.clone() for k, v in template.items()}}
+        dcp.load(state, checkpoint_id=str(path))
+        return state["state_dict"]
+    saved = torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
+    check_shapes({k: tuple(v.shape) for k, v in template.items()}, {k: tuple(v.shape) for k, v in saved.items()}, path)
+    missing = sorted(set(template) - set(saved))
+    if missing:
+        raise ValueError(f"Checkpoint {path} lacks {missing[:5]}. HINT: load a checkpoint of this model.")
+    return {k: saved[k].to(template[k].dtype) for k in template}
+
+
 def _load_full_optimizer_state(module: nn.Module, optimizer: Optimizer, state: dict[str, Any]) -> None:
     """Load a consolidated, FQN-keyed optimizer state into any layout (each rank keeps its part)."""
     if isinstance(optimizer, ZeroRedundancyOptimizer):

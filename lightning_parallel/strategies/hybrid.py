@@ -672,12 +672,32 @@ class HybridParallelStrategy(ParallelStrategy):
         assert self.lightning_module is not None
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         self._resume_skip_pending = fitting
-        loaded = ckpt.load_into(self.lightning_module, list(self.optimizers), path, strict=self.lightning_module.strict_loading)
+        pipeline = self._pipeline
+        if pipeline is not None and pipeline._runtime is not None:  # stages traced: released copies, shards
+            loaded = self._load_into_traced_pipeline(pipeline, path, fitting)
+        else:
+            loaded = ckpt.load_into(self.lightning_module, list(self.optimizers), path, strict=self.lightning_module.strict_loading)
         # Restored now (right for a checkpoint at an epoch end) and again once a mid-epoch resume
         # has created its data iterator, which draws from the RNG where the saved run did not.
         self._resume_rng = loaded.get(RNG_KEY) if fitting else None
         restore_rng_state(self._resume_rng)
         return loaded
+
+    def _load_into_traced_pipeline(self, pipeline: Any, path: Path, fitting: bool) -> dict[str, Any]:
+        """``validate/test/predict(ckpt_path=...)`` after a fit under pipelines: model weights only."""
+        if fitting:
+            raise RuntimeError(
+                f"Resuming fit from {path} into a module whose pipeline stages are already traced (a second"
+                " fit on the same module) is not supported: its optimizer state lives in the traced layout."
+                " HINT: resume in a fresh Trainer with a freshly built module (checkpoints are layout-independent)."
+            )
+        template = {k: torch.empty(shape, dtype=dtype) for k, (shape, dtype) in pipeline.full_shapes().items()}
+        pipeline.load_model_state(ckpt.read_full_model_state(path, template))
+        if ckpt.is_sharded_checkpoint(path):
+            return torch.load(path / ckpt.META_FILENAME, map_location="cpu", weights_only=False)
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+        checkpoint.pop("state_dict", None)
+        return checkpoint
 
     @override
     def process_dataloader(self, dataloader: object) -> object:

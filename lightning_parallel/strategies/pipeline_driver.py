@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lightning_parallel.parallel.dims import DP, PP, TP
 from lightning_parallel.parallel.errors import config_error
@@ -383,6 +384,34 @@ class PipelineDriver:
             dist.broadcast(value, src=dist.get_global_rank(self.group, self._keepers[name]), group=self.group)
             out[name] = value
         return out
+
+    def full_shapes(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
+        """Every state-dict tensor's full shape and dtype (released copies and shards included)."""
+        runtime = self._runtime
+        by_id = {id(t): n for n, t in (*self.module.named_parameters(), *self.module.named_buffers())}
+        out = {}
+        for key, value in self.module.state_dict(keep_vars=True).items():
+            name = by_id.get(id(value), key)
+            shape = runtime.released.get(name, value.shape) if runtime is not None else value.shape
+            out[key] = (torch.Size(shape), value.dtype)
+        return out
+
+    @torch.no_grad()
+    def load_model_state(self, full_state: dict[str, Tensor]) -> None:
+        """Put full tensors (same on every rank) into the traced layout: each rank keeps what it holds.
+
+        Why not ``load_state_dict``: released copies are empty and stage parameters may be
+        tensor-parallel or ZeRO shards (DTensors); each takes its own slice of the full value.
+        """
+        for key, value in self.module.state_dict(keep_vars=True).items():
+            if value.numel() == 0:
+                continue  # released: another stage owns it
+            full = full_state[key].to(value.device)
+            if isinstance(value, DTensor):
+                local = distribute_tensor(full, value.device_mesh, value.placements, src_data_rank=None).to_local()
+                value.to_local().copy_(local)
+            else:
+                value.copy_(full)
 
     def model_state(self, full: bool = True) -> dict[str, Any]:
         """The LightningModule's state dict with every tensor full (gathered from its owner), on every rank.

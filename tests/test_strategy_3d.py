@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from lightning_parallel.models import GPT
 from lightning_parallel.parallel.auto_degrees import choose_3d_degrees
@@ -22,9 +23,26 @@ from lightning_parallel.testing import run_distributed
 from lightning_parallel.testing.parity import FitSpec, run_fit, run_fits
 from tests.test_data_parallel import assert_parity
 
+class CountingGPT(GPT):
+    """The GPT plus a torchmetrics sum logged per epoch: tensor-parallel peers hold duplicate
+    metric states under pipelines, and a sync that counted them would double it."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        from torchmetrics import SumMetric
+
+        self.tokens_seen = SumMetric()
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        loss = super().training_step(batch, batch_idx)
+        self.tokens_seen(torch.tensor(float(batch[1].numel())))
+        self.log("tokens_seen", self.tokens_seen, on_step=False, on_epoch=True)
+        return loss
+
+
 GPT_KWARGS = {"vocab_size": 64, "block_size": 16, "n_layer": 4, "n_head": 4, "n_embd": 32, "lr": 0.5}
 SPEC = FitSpec(
-    model="lightning_parallel.models:GPT",
+    model="tests.test_strategy_3d:CountingGPT",
     model_kwargs=GPT_KWARGS,
     data="lightning_parallel.testing.parity:token_data",
     global_batch=8,
@@ -48,6 +66,7 @@ def _check(cases: list[tuple[str, Any]], devices: int, timeout: float) -> list[l
             # with pipelines (see test_strategy_pp): compare metrics where dp == 1.
             data_parallel = devices // 4 > 1
             assert_parity(per_rank[index], reference, f"{label} (rank {rank})", per_tensor=True, metrics=not data_parallel)
+            assert per_rank[index]["metrics"]["tokens_seen"] == reference["metrics"]["tokens_seen"] > 0, (label, rank)
     return results
 
 

@@ -23,6 +23,7 @@ DP_REPLICATE = "dp_replicate"
 DP_SHARD = "dp_shard"
 TP = "tp"
 DP = "dp"  # flattened dp_replicate x dp_shard: gradient reduction and the data sampler
+PP_DP = "pp_dp"  # flattened pp x dp (one per tp rank): metric states under pipelines, no tp duplicates
 EDP = "edp"  # data-parallel ranks outside an expert group
 EP = "ep"
 MESH_AXES = (PP, DP_REPLICATE, DP_SHARD, TP)
@@ -181,6 +182,8 @@ class ParallelDims:
         mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_AXES)
         derived: dict[str, DeviceMesh] = {name: mesh[name] for name in MESH_AXES}
         derived[DP] = mesh[(DP_REPLICATE, DP_SHARD)]._flatten(DP)
+        if self.pp > 1 and self.tp > 1:
+            derived[PP_DP] = mesh[(PP, DP_REPLICATE, DP_SHARD)]._flatten(PP_DP)
         if self.ep > 1:
             expert = derived[DP]._unflatten(0, (self.dp // self.ep, self.ep), (EDP, EP))
             derived[EDP], derived[EP] = expert[EDP], expert[EP]

@@ -55,7 +55,7 @@ from lightning_parallel.parallel.clip import clip_grad_norm_
 from lightning_parallel.parallel.data_parallel import apply_ddp, apply_fsdp, fsdp_modules, mixed_precision_dtype
 from lightning_parallel.parallel.auto_degrees import DegreeChoice, choose_3d_degrees
 from lightning_parallel.parallel.pipeline_schedules import resolve_virtual_stages, schedule_spec
-from lightning_parallel.parallel.dims import DP, EDP, TP, Degree, ParallelDims
+from lightning_parallel.parallel.dims import DP, EDP, PP_DP, TP, Degree, ParallelDims
 from lightning_parallel.parallel.expert_parallel import validate_expert_parallel
 from lightning_parallel.parallel.tensor_parallel import apply_tensor_parallel
 from lightning_parallel.parallel.tp_loss import sharded_logits_step
@@ -491,15 +491,21 @@ class HybridParallelStrategy(ParallelStrategy):
         """
         from torchmetrics import Metric
 
-        pipeline = self.parallel_dims.pp > 1
+        dims = self.parallel_dims
+        pipeline = dims.pp > 1
         # Under pipeline parallelism only last-stage ranks update metrics (the pipeline driver
         # replays their step values; a per-step sync there would wait for ranks that never
-        # update), and epoch values sync over the world, where the other ranks add empty states.
-        group = None if pipeline else self._data_parallel_group()
+        # update), and epoch values sync over the pipeline and data ranks of this rank's tensor
+        # column (the world when tp == 1), where the other stages add empty states and the
+        # tensor-parallel peers' duplicate states stay out.
+        if pipeline:
+            group = dims.axis(PP_DP).get_group() if dims.tp > 1 else None
+        else:
+            group = self._data_parallel_group()
         for metric in module.modules():
             if isinstance(metric, Metric):
                 metric.process_group = group
-                metric.dist_sync_on_step = not pipeline
+                metric.dist_sync_on_step = not pipeline and dims.dp > 1  # nothing to sync over one rank
 
     def _install_global_norm_clipping(self) -> None:
         """Route Lightning's norm clipping through the layout-aware global norm."""

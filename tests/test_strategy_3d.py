@@ -35,7 +35,7 @@ class CountingGPT(GPT):
 
     def training_step(self, batch: Any, batch_idx: int) -> Any:
         loss = super().training_step(batch, batch_idx)
-        self.tokens_seen(torch.tensor(float(batch[1].numel())))
+        self.tokens_seen.update(torch.tensor(float(batch[1].numel())))  # update, not forward: epoch-only
         self.log("tokens_seen", self.tokens_seen, on_step=False, on_epoch=True)
         return loss
 

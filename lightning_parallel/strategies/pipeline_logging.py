@@ -119,6 +119,10 @@ class LogCapture:
                     ValueError, "self.log", name, "a torchmetrics object logged under pipeline parallelism must be a submodule of the LightningModule", "assign the metric as an attribute in __init__"
                 )
             metric, value = self._metric_names[id(value)], value._forward_cache
+            if value is None and extra.get("on_step") is False:
+                # Epoch-only (``metric.update(...)`` then ``self.log(name, metric, on_step=False)``):
+                # Lightning reads compute() of the synced states at epoch end, never a step value.
+                value = torch.zeros(())
             if value is None:
                 raise config_error(
                     ValueError, "self.log", name, "the metric was logged before it was called on this step's data", "call metric(preds, target) before self.log(name, metric)"

@@ -20,8 +20,9 @@ from lightning_parallel.models import GPT
 from lightning_parallel.parallel.auto_degrees import choose_3d_degrees
 from lightning_parallel.strategies.pipeline_driver import resolve_pipeline_config
 from lightning_parallel.testing import run_distributed
-from lightning_parallel.testing.parity import FitSpec, run_fit, run_fits
+from lightning_parallel.testing.parity import run_fit, run_fits
 from tests.test_data_parallel import assert_parity
+from tests.test_strategy_pp import GPT_KWARGS, GPT_SPEC
 
 class CountingGPT(GPT):
     """The GPT plus a torchmetrics sum logged per epoch: tensor-parallel peers hold duplicate
@@ -40,15 +41,7 @@ class CountingGPT(GPT):
         return loss
 
 
-GPT_KWARGS = {"vocab_size": 64, "block_size": 16, "n_layer": 4, "n_head": 4, "n_embd": 32, "lr": 0.5}
-SPEC = FitSpec(
-    model="tests.test_strategy_3d:CountingGPT",
-    model_kwargs=GPT_KWARGS,
-    data="lightning_parallel.testing.parity:token_data",
-    global_batch=8,
-    max_steps=5,
-    trainer_kwargs={"gradient_clip_val": 0.5},
-)
+SPEC = dataclasses.replace(GPT_SPEC, model="tests.test_strategy_3d:CountingGPT", trainer_kwargs={"gradient_clip_val": 0.5})
 
 
 def _hybrid(**kwargs: Any) -> dict[str, Any]:

@@ -101,9 +101,10 @@ class _Settle(torch.autograd.Function):
     """Identity whose output, and whose gradient, are finished tensors.
 
     DTensor collectives return ``AsyncCollectiveTensor`` wrappers that wait on first use by an
-    op. The pipeline's point-to-point sends hand tensors to the process group directly, not
-    through an op, so an unfinished wrapper must not reach them: neither a stage output
-    (forward) nor the gradient of a stage input (backward).
+    op. What crosses a cut goes to the pipeline's point-to-point sends and receive buffers,
+    which are not ops on the wrapper; finishing the collective here, before that, is a
+    precaution that costs nothing: a stage output (forward) and the gradient of a stage input
+    (backward) are always finished tensors.
     """
 
     @staticmethod

@@ -13,7 +13,11 @@ user's hooks fit around it (see :mod:`.pipeline_logging` for how the step code r
   ones that were there restored, and ``backward()`` adds the stash back (this also keeps
   ``accumulate_grad_batches`` right, where ``zero_grad`` runs on a window's first batch only).
   The loss returned to Lightning is the full-batch value on every rank, as a fresh leaf.
-* Data parallel x pipeline (ZeRO stage 0): each stage's gradients are averaged over its
+* Once traced, the layout follows the documented order on the stages: tensor parallelism on
+  the traced stage graphs (:mod:`~lightning_parallel.parallel.pipeline_tp`), then ZeRO
+  (``zero_stage`` 1-3: FSDP2 per stage, :mod:`~lightning_parallel.parallel.pipeline_fsdp`);
+  the optimizers Lightning built in ``setup`` are pointed at the new parameters.
+* Data parallel x pipeline with ZeRO stage 0: each stage's gradients are averaged over its
   data-parallel peers after the schedule (the strategy's sampler already shards the data).
 * Each rank keeps only the parameters its stages use (:meth:`PipelineRuntime.release_non_owned`):
   the optimizer, built from ``module.parameters()``, skips the others (their grad stays None).

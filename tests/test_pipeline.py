@@ -8,6 +8,8 @@ are reset in place between schedules (the stages hold the same Parameter objects
 
 from __future__ import annotations
 
+import os
+import time
 from typing import Any
 
 import pytest
@@ -22,6 +24,7 @@ from lightning_parallel.parallel.dims import PP, ParallelDims
 from lightning_parallel.parallel.pipeline import build_pipeline, trace_pipeline
 from lightning_parallel.parallel.pipeline_plan import plan_pipeline
 from lightning_parallel.parallel.pipeline_schedules import resolve_virtual_stages, schedule_spec
+from lightning_parallel.launcher import DistributedRunError
 from lightning_parallel.testing import run_distributed
 
 STEPS, BATCH, LR = 5, 8, 0.5
@@ -321,3 +324,29 @@ def test_forwards_that_cannot_be_split_are_clear_errors() -> None:
     # the split markers are gone after tracing, failed or not: a second trace works
     assert "forward" not in reused.blocks[1].__dict__
     trace_pipeline(skip, (x,), plan=plan_pipeline(skip, 2), microbatches=2, build_eval=False)
+
+
+def _dying_last_stage() -> str:
+    """pp=2, 1F1B: the last stage's process dies inside the loss of the first microbatch."""
+    model = make_model("gpt", 2)
+    plan = plan_pipeline(model, 2, 1, style="single")
+    x, y = make_batch("gpt", 0)
+
+    def loss(out: Tensor, rows: Tensor) -> Tensor:
+        if dist.get_rank() == 1:
+            os._exit(13)  # a crash mid-step: no exception, no cleanup
+        return loss_of(model, out, y[rows])
+
+    runtime = build_pipeline(model, (x,), plan=plan, schedule=schedule_spec("1f1b"), microbatches=2, loss_fn=loss, build_eval=False)
+    runtime.train_step(x)
+    return "finished"
+
+
+def test_a_rank_dying_mid_step_fails_its_peer_instead_of_hanging() -> None:
+    start = time.monotonic()
+    with pytest.raises(DistributedRunError) as info:
+        run_distributed(_dying_last_stage, 2, timeout=120)
+    elapsed = time.monotonic() - start
+    first = str(info.value).split("--- rank 0")[1].split("--- rank 1")[0]
+    assert "no result within" not in first and "Error" in first, first  # failed with an error, not killed
+    assert elapsed < 90, elapsed

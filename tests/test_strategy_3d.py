@@ -84,21 +84,27 @@ def test_3d_chooses_the_smallest_model_parallel_degrees() -> None:
     assert (fixed.dp, fixed.tp, fixed.pp) == (2, 2, 2)
 
 
-def test_3d_error_lists_the_degrees_tried() -> None:
-    with pytest.raises(ValueError, match=r"tensor-parallel degree.*tp=2: .*35.*tp=4: .*tp=8: .*HINT"):
-        choose_3d_degrees(_gpt(n_head=7, n_embd=35), 8, processes_per_node=8)
-    # Tensor parallelism stays inside a node: 2 processes per node allow tp=2 only.
-    with pytest.raises(ValueError, match=r"tp=2: .*35.*tp=4: more than"):
-        choose_3d_degrees(_gpt(n_head=7, n_embd=35), 8, processes_per_node=2)
-    # Pipeline stages need blocks: with 1-stage-worth of layers and 4 stages per rank... too few.
-    with pytest.raises(ValueError, match=r"pipeline-parallel degree.*pp=2"):
-        choose_3d_degrees(_gpt(n_layer=1), 4, processes_per_node=4, virtual_stages=8)
-    # MoE layers cannot be traced into pipeline stages: said up front, not at the first batch.
+def test_3d_takes_one_model_axis_where_only_one_fits() -> None:
+    # Two processes: tp2 leaves nothing for a pipeline.
+    two = choose_3d_degrees(_gpt(), 2, processes_per_node=2)
+    assert (two.dp, two.tp, two.pp) == (1, 2, 1) and "pp=1" in two.explain()
+    # 7 heads / 35 features: no tensor-parallel degree divides them; the pipeline takes 2.
+    odd = choose_3d_degrees(_gpt(n_head=7, n_embd=35), 8, processes_per_node=8)
+    assert (odd.dp, odd.tp, odd.pp) == (4, 1, 2) and "tp=2: " in odd.explain()
+    # MoE layers cannot be traced into pipeline stages: tensor parallel only, said up front.
     from lightning_parallel.models import MoEGPT
 
-    moe = MoEGPT(vocab_size=64, block_size=16, n_layer=4, n_head=4, n_embd=32, num_experts=4)
-    with pytest.raises(ValueError, match=r"pipeline-parallel degree.*pp=2: the model has MoE layers"):
-        choose_3d_degrees(moe, 4, processes_per_node=4)
+    moe = choose_3d_degrees(MoEGPT(vocab_size=64, block_size=16, n_layer=4, n_head=4, n_embd=32, num_experts=4), 4, processes_per_node=4)
+    assert (moe.dp, moe.tp, moe.pp) == (2, 2, 1) and "the model has MoE layers" in moe.explain()
+
+
+def test_3d_error_lists_the_degrees_tried() -> None:
+    # Neither axis fits: no degree divides 7 heads, and 2 processes x 8 virtual stages need 16 blocks.
+    with pytest.raises(ValueError, match=r"tensor- or pipeline-parallel degree.*tp=2: .*35.*tp=4: .*tp=8: .*pp=2: .*HINT"):
+        choose_3d_degrees(_gpt(n_head=7, n_embd=35, n_layer=1), 8, processes_per_node=8, virtual_stages=8)
+    # Tensor parallelism stays inside a node: 2 processes per node allow tp=2 only.
+    with pytest.raises(ValueError, match=r"tp=2: .*35.*tp=4: more than"):
+        choose_3d_degrees(_gpt(n_head=7, n_embd=35, n_layer=1), 8, processes_per_node=2, virtual_stages=8)
     with pytest.raises(ValueError, match=r"data_parallel_size.*divide the world size 8"):
         choose_3d_degrees(_gpt(), 8, processes_per_node=8, data_parallel_size=3)
 

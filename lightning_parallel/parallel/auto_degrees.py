@@ -17,10 +17,12 @@ A model with MoE layers gets no pipeline degree: expert dispatch has data-depend
 which ``torch.export`` cannot trace into a stage, so "3d" reports that instead of failing at
 the first batch (give ``pipeline_parallel_size=1`` and ``expert_parallel_size`` for tp x ep).
 
-"3D" asks for both model-parallel axes, so a model that allows neither a tensor- nor a
-pipeline-parallel degree above one (e.g. a prime head count and fewer blocks than devices) is
-an error listing every degree tried and why it failed, not a silent fallback to plain data
-parallelism. Pure inspection of shapes and module structure: no process group, no collective.
+"3D" asks for the model-parallel axes: each gets a degree above one where the model and the
+world size allow it. When only one of them can (two processes; heads that no degree divides;
+MoE layers, which cannot be traced into stages), the other stays 1 and the log line says why.
+A model that allows neither a tensor- nor a pipeline-parallel degree above one is an error
+listing every degree tried and why it failed, not a silent fallback to plain data parallelism.
+Pure inspection of shapes and module structure: no process group, no collective.
 """
 
 from __future__ import annotations
@@ -133,17 +135,16 @@ def choose_3d_degrees(
             tried.append(f"pp={p}: enough blocks for {p * virtual_stages} stages")
             break
         failures.append(f"pp={p}: {reason}")
-    if tp == 1 or pp == 1:
-        missing = "tensor" if tp == 1 else "pipeline"
-        if tp == 1 and pp == 1:
-            missing = "tensor or pipeline"
+    if tp == 1 and pp == 1:
         raise config_error(
             ValueError, "tensor_parallel_size / pipeline_parallel_size", f'"auto" on {world_size} processes',
-            f"strategy '3d' needs a {missing}-parallel degree above 1 that {type(module).__name__} allows; tried: "
-            + "; ".join(failures or ["no degree above 1 divides the processes left"]),
-            "give the degrees as ints (tensor_parallel_size=1 or pipeline_parallel_size=1 are allowed then), "
-            "use more processes, or a strategy with fewer axes ('tp', 'pp', 'dp')",
+            f"strategy '3d' needs a tensor- or pipeline-parallel degree above 1 that {type(module).__name__} allows; tried: "
+            + "; ".join(failures or ["no degree above 1 divides the processes"]),
+            "give the degrees as ints, use more processes, or a data-parallel strategy ('dp', 'zero3')",
         )
+    for axis, degree in (("tp", tp), ("pp", pp)):
+        if degree == 1:
+            tried.append(f"{axis}=1: no degree above 1 fits the model in the processes left")
     dp = world_size // (tp * pp)
     return DegreeChoice(dp=dp, tp=tp, pp=pp, tried=tuple(tried + [f"rejected: {f}" for f in failures]))
 

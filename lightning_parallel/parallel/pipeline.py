@@ -185,6 +185,19 @@ def _adopt_original_tensors(stage_module: nn.Module, module: nn.Module) -> None:
                 getattr(parent, kind)[leaf] = original
 
 
+def _run_generated_code(stage_module: nn.Module) -> None:
+    """Run the traced submodules' generated Python code instead of ``torch.fx.Interpreter``.
+
+    ``torch.export.unflatten`` rebuilds the module hierarchy from ``InterpreterModule``s, which
+    by default execute graph nodes one by one through an interpreter; measured against a
+    hand-written ``torch.distributed.pipelining`` loop (``benchmarks/bench_pipeline_vs_manual.py``)
+    that made a stage's forward about twice as slow. The generated code runs the same graph.
+    """
+    for sub in stage_module.modules():
+        if hasattr(sub, "_run_with_interpreter"):
+            sub._run_with_interpreter = False
+
+
 def _pp_group(group: dist.ProcessGroup | DeviceMesh | None) -> dist.ProcessGroup:
     if isinstance(group, DeviceMesh):
         if group.ndim != 1:
@@ -401,6 +414,7 @@ def trace_pipeline(
         for k in range(plan.num_stages if pipe is not None else 0):
             stage_module = pipe.get_stage_module(k)
             _adopt_original_tensors(stage_module, module)
+            _run_generated_code(stage_module)
             if pipe is train:
                 holders.append(frozenset(canonical[id(p)] for p in stage_module.parameters()))
     return TracedPipeline(plan, batch_size_of(mb_args, mb_kwargs), train, evaluation, tuple(holders))

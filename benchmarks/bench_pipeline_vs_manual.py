@@ -42,6 +42,7 @@ stage submodules run their generated Python code instead of ``torch.fx.Interpret
 :func:`_codegen`; the library is not changed by it), which shows how much of our overhead is
 the interpreter: without it the traced forward costs about twice the hand-written one per
 microbatch (backward is the same), hence engine/manual well above 1.05; with it, about 1.
+Where the engine itself already switches its stages to generated code, ``--codegen`` changes nothing.
 
     python benchmarks/bench_pipeline_vs_manual.py                      # p=2, m=4 and 8, gpipe and 1f1b
     python benchmarks/bench_pipeline_vs_manual.py --pp 2 4 --steps 20

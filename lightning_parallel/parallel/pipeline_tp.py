@@ -40,7 +40,7 @@ import torch
 from torch import Tensor, fx, nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Placement, Shard, distribute_tensor
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.optim import Optimizer
@@ -48,7 +48,7 @@ from torch.utils._pytree import tree_map
 
 from lightning_parallel.parallel.errors import config_error
 from lightning_parallel.parallel.tensor_parallel import _grad_to_param_layout
-from lightning_parallel.parallel.tp_attention import ReplicateMixedMode
+from lightning_parallel.parallel.tp_attention import ReplicateMixedMode, full_value
 from lightning_parallel.parallel.tp_plan import TensorParallelPlan, sharded_dims
 
 
@@ -124,15 +124,6 @@ def _settled(value: Any) -> Any:
     if isinstance(value, Tensor) and not isinstance(value, DTensor):
         return _Settle.apply(value) if value.requires_grad else _wait(value)
     return value
-
-
-def full_value(value: Any) -> Any:
-    """A DTensor as the plain full tensor it stands for (differentiably); anything else as is."""
-    if not isinstance(value, DTensor):
-        return value
-    if all(isinstance(p, Replicate) for p in value.placements):
-        return value.to_local()
-    return value.full_tensor()
 
 
 def local_part(tensor: Tensor) -> Tensor:

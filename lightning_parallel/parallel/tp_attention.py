@@ -139,8 +139,9 @@ class ReplicateMixedMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _to_plain(value: Any) -> Any:
-    """A region's DTensor outputs as ordinary tensors (full values), everything else as is."""
+def full_value(value: Any) -> Any:
+    """A DTensor as the plain full tensor it stands for (differentiably), everything else as is:
+    a region's outputs, a tensor-parallel pipeline stage's outputs."""
     if isinstance(value, DTensor):
         if all(isinstance(p, Replicate) for p in value.placements):
             return value.to_local()
@@ -210,7 +211,7 @@ class RegionForward:
                 stack.enter_context(implicit_replication())
             out = self.original(*args, **kwargs)
         if self.dtensor_region:
-            out = tree_map(_to_plain, out)
+            out = tree_map(full_value, out)
         if self.slice_output:
             out = _first_tensor_out(out, lambda y: slice_sequence(y, self.mesh))
         return out
@@ -254,6 +255,7 @@ def gather_input_hook(mesh: DeviceMesh) -> Callable[[nn.Module, Any], Any]:
 
 __all__ = [
     "RegionForward",
+    "full_value",
     "ReplicateMixedMode",
     "gather_input_hook",
     "gather_sequence",

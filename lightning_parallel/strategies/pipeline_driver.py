@@ -161,7 +161,7 @@ class PipelineDriver:
             mixed_precision=strategy.mixed_precision,
             activation_checkpointing=strategy.activation_checkpointing,
             sequence_parallel=strategy.sequence_parallel,
-            loss_parallel=getattr(strategy, "loss_parallel", False),
+            loss_parallel=strategy.loss_parallel,
             cpu_offload=strategy.cpu_offload,
         )
         self.group = dims.axis(PP).get_group()

@@ -120,12 +120,13 @@ def _loader(batch: int, start: int, count: int) -> DataLoader:
     return DataLoader(subset, batch_size=batch, shuffle=False, drop_last=True)
 
 
-def _eval_run(strategy: Any, devices: int, ckpt_dir: str) -> dict[str, Any]:
+def _eval_run(strategy: Any, devices: int, ckpt_dir: str, model_cls: str = "lightning_parallel.models:GPT",
+              model_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
     """Fit with validation and a ModelCheckpoint on val_loss, then validate and predict."""
     import lightning_parallel  # noqa: F401
 
     pl.seed_everything(7, verbose=False)
-    model = GPT(**GPT_KWARGS)
+    model = parity._load(model_cls)(**(model_kwargs or GPT_KWARGS))
     checkpoint = ModelCheckpoint(dirpath=ckpt_dir, monitor="val_loss", mode="min", save_top_k=1)
     every_epoch = ModelCheckpoint(dirpath=f"{ckpt_dir}/all", save_top_k=-1)
     trainer = pl.Trainer(

@@ -1,4 +1,4 @@
-"""Choose tensor- and pipeline-parallel degrees for ``strategy="3d"`` from the world size and the model.
+"""Choose tensor-, pipeline- and expert-parallel degrees for ``strategy="3d"`` from the world size and the model.
 
 The rule, in the order Megatron-LM's and torchtitan's guides give it: data parallelism scales
 best and talks least per byte of model, so the model-parallel axes get the *smallest* degree
@@ -13,13 +13,16 @@ greater than one that the model allows, and data parallelism takes every remaini
   blocks to cut into stages;
 * data parallel: ``world / (t * p)``.
 
-A model with MoE layers gets no pipeline degree: expert dispatch has data-dependent shapes,
-which ``torch.export`` cannot trace into a stage, so "3d" reports that instead of failing at
-the first batch (give ``pipeline_parallel_size=1`` and ``expert_parallel_size`` for tp x ep).
+A model with MoE layers (4D): the pipeline degree comes first and tensor parallelism stays 1,
+because MoE layers run inside pipeline stages as opaque ops, which tensor-parallel stages cannot
+hold (:mod:`~lightning_parallel.parallel.pipeline_moe`); where no pipeline degree fits, tensor
+parallelism is tried as for a dense model (tp x ep). The experts are then split over the largest
+divisor of the data-parallel degree that divides every layer's expert count (``ep``; 1 for a
+dense model).
 
 "3D" asks for the model-parallel axes: each gets a degree above one where the model and the
 world size allow it. When only one of them can (two processes; heads that no degree divides;
-MoE layers, which cannot be traced into stages), the other stays 1 and the log line says why.
+MoE layers), the other stays 1 and the log line says why.
 A model that allows neither a tensor- nor a pipeline-parallel degree above one is an error
 listing every degree tried and why it failed, not a silent fallback to plain data parallelism.
 Pure inspection of shapes and module structure: no process group, no collective.
@@ -45,9 +48,10 @@ class DegreeChoice:
     tp: int
     pp: int
     tried: tuple[str, ...]
+    ep: int = 1
 
     def explain(self) -> str:
-        return f"3d degrees: dp={self.dp} x tp={self.tp} x pp={self.pp}; " + "; ".join(self.tried)
+        return f"3d degrees: dp={self.dp} x tp={self.tp} x pp={self.pp} (ep={self.ep}); " + "; ".join(self.tried)
 
 
 def _divisors(n: int) -> list[int]:
@@ -91,7 +95,7 @@ def choose_3d_degrees(
     virtual_stages: int = 1,
     split_points: list[str] | None = None,
 ) -> DegreeChoice:
-    """Tensor and pipeline degrees for ``module`` on ``world_size`` processes (see the module docstring).
+    """Tensor, pipeline and expert degrees for ``module`` on ``world_size`` processes (see the module docstring).
 
     ``data_parallel_size``: an int fixes it (the model-parallel axes share ``world / dp``).
     """
@@ -108,33 +112,22 @@ def choose_3d_degrees(
                 'choose a divisor of the number of processes, or "auto"',
             )
     model_ranks = world_size // data_parallel_size if isinstance(data_parallel_size, int) else world_size
+    experts = find_expert_modules(module)
     tried: list[str] = []
     failures: list[str] = []
-    tp = 1
-    for t in _divisors(model_ranks):
-        if processes_per_node % t:
-            failures.append(f"tp={t}: more than (or not a divisor of) the {processes_per_node} processes per node")
-            continue
-        reason = _tp_fits(module, t, tp_plan)
-        if reason is None:
-            tp = t
-            tried.append(f"tp={t}: every planned module splits evenly")
-            break
-        failures.append(f"tp={t}: {reason}")
     pp = 1
-    experts = find_expert_modules(module)
-    for p in _divisors(model_ranks // tp):
-        reason = _pp_fits(module, p, virtual_stages, split_points)
-        if reason is None and experts:
-            reason = (
-                f"the model has MoE layers ({next(iter(experts))}): expert dispatch has data-dependent shapes, "
-                "which a traced pipeline stage cannot hold"
-            )
-        if reason is None:
-            pp = p
-            tried.append(f"pp={p}: enough blocks for {p * virtual_stages} stages")
-            break
-        failures.append(f"pp={p}: {reason}")
+    if experts:  # pipeline first: MoE layers cannot sit in tensor-parallel pipeline stages
+        pp = _choose_pp(module, model_ranks, virtual_stages, split_points, tried, failures)
+    tp = 1
+    if pp == 1:
+        tp = _choose_tp(module, model_ranks, processes_per_node, tp_plan, tried, failures)
+    elif experts:
+        tried.append(f"tp=1: the model has MoE layers ({next(iter(experts))}), which pipeline stages run as opaque ops "
+                     "that tensor-parallel stages cannot hold")
+    if not experts:
+        pp = _choose_pp(module, model_ranks // tp, virtual_stages, split_points, tried, failures)
+    elif tp > 1:
+        failures.append(f"pp>1 with tp={tp}: the model has MoE layers, which tensor-parallel pipeline stages cannot hold")
     if tp == 1 and pp == 1:
         raise config_error(
             ValueError, "tensor_parallel_size / pipeline_parallel_size", f'"auto" on {world_size} processes',
@@ -143,10 +136,46 @@ def choose_3d_degrees(
             "give the degrees as ints, use more processes, or a data-parallel strategy ('dp', 'zero3')",
         )
     for axis, degree in (("tp", tp), ("pp", pp)):
-        if degree == 1:
+        if degree == 1 and not any(t.startswith(f"{axis}=1") for t in tried):
             tried.append(f"{axis}=1: no degree above 1 fits the model in the processes left")
     dp = world_size // (tp * pp)
-    return DegreeChoice(dp=dp, tp=tp, pp=pp, tried=tuple(tried + [f"rejected: {f}" for f in failures]))
+    ep = _choose_ep(module, experts, dp, tried)
+    return DegreeChoice(dp=dp, tp=tp, pp=pp, ep=ep, tried=tuple(tried + [f"rejected: {f}" for f in failures]))
+
+
+def _choose_tp(module: nn.Module, ranks: int, per_node: int, tp_plan: dict[str, str] | None, tried: list[str], failures: list[str]) -> int:
+    """The smallest tensor-parallel degree above 1 that fits a node and splits every planned module."""
+    for t in _divisors(ranks):
+        if per_node % t:
+            failures.append(f"tp={t}: more than (or not a divisor of) the {per_node} processes per node")
+            continue
+        reason = _tp_fits(module, t, tp_plan)
+        if reason is None:
+            tried.append(f"tp={t}: every planned module splits evenly")
+            return t
+        failures.append(f"tp={t}: {reason}")
+    return 1
+
+
+def _choose_pp(module: nn.Module, ranks: int, virtual_stages: int, split_points: list[str] | None, tried: list[str], failures: list[str]) -> int:
+    """The smallest pipeline degree above 1 with enough blocks for its stages."""
+    for p in _divisors(ranks):
+        reason = _pp_fits(module, p, virtual_stages, split_points)
+        if reason is None:
+            tried.append(f"pp={p}: enough blocks for {p * virtual_stages} stages")
+            return p
+        failures.append(f"pp={p}: {reason}")
+    return 1
+
+
+def _choose_ep(module: nn.Module, experts: dict[str, nn.Module], dp: int, tried: list[str]) -> int:
+    """The largest divisor of ``dp`` that divides every experts module's expert count (1 without MoE)."""
+    if not experts:
+        return 1
+    counts = [next(sub.parameters(recurse=False)).shape[0] for sub in experts.values()]
+    ep = max(e for e in range(1, dp + 1) if dp % e == 0 and all(c % e == 0 for c in counts))
+    tried.append(f"ep={ep}: the largest divisor of dp={dp} that divides every layer's expert count ({sorted(set(counts))})")
+    return ep
 
 
 __all__ = ["DegreeChoice", "choose_3d_degrees"]

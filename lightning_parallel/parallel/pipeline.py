@@ -12,6 +12,8 @@ changes and parameter names (FQNs) stay the original ones. Facts this file relie
   stage tensor is re-pointed at the original object by its FQN.
 * Marking a split point patches a submodule's ``forward``; the patch is undone after tracing,
   else a second trace of the same module recurses.
+* MoE layers (data-dependent dispatch shapes) are traced as one opaque op each and run eagerly
+  inside the stage (:mod:`~lightning_parallel.parallel.pipeline_moe`).
 * Gradients accumulate in ``.grad`` and are never rescaled after the fact: the loss of each
   microbatch is divided by the microbatch count instead, so gradients survive across steps
   (gradient accumulation) and a parameter held by two local stages is not divided twice.
@@ -42,6 +44,7 @@ from torch.utils._pytree import tree_leaves
 
 from lightning_parallel.parallel.clip import total_norm
 from lightning_parallel.parallel.errors import config_error
+from lightning_parallel.parallel.pipeline_moe import hold_unit_tensors, opaque_forwards
 from lightning_parallel.parallel.pipeline_plan import PipelinePlan, _compact
 from lightning_parallel.parallel.pipeline_tp import full_value, local_part
 from lightning_parallel.parallel.pipeline_schedules import (
@@ -96,7 +99,7 @@ def trace_pipe(module: nn.Module, mb_args: tuple[Any, ...], mb_kwargs: dict[str,
     modes = {m: m.training for m in module.modules()}
     try:
         module.train(training)
-        with _split_markers(module, plan.split_points):
+        with _split_markers(module, plan.split_points), opaque_forwards(module):
             pipe = pipeline(module, mb_args, mb_kwargs)
     except Exception as error:  # export raises many types; all mean "cannot split this forward"
         raise config_error(
@@ -413,6 +416,7 @@ def trace_pipeline(
     for pipe in (train, evaluation):
         for k in range(plan.num_stages if pipe is not None else 0):
             stage_module = pipe.get_stage_module(k)
+            hold_unit_tensors(stage_module, module)  # MoE layers are opaque ops: their tensors are not graph inputs
             _adopt_original_tensors(stage_module, module)
             _run_generated_code(stage_module)
             if pipe is train:

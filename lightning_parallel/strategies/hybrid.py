@@ -266,6 +266,8 @@ class HybridParallelStrategy(ParallelStrategy):
         if degrees["tensor_parallel_size"] == "auto" and degrees["pipeline_parallel_size"] == "auto":
             choice = self._choose_3d_degrees(world_size)
             degrees.update(tensor_parallel_size=choice.tp, pipeline_parallel_size=choice.pp, data_parallel_size=choice.dp)
+            if degrees["expert_parallel_size"] == "auto":  # 4D for a model with MoE layers, 1 for a dense one
+                degrees["expert_parallel_size"] = choice.ep
         dims = ParallelDims.resolve(
             world_size, **degrees, sharded=self.zero_stage >= 2, hybrid=self.hybrid_shard, num_nodes=self.num_nodes
         )

@@ -14,7 +14,10 @@ user's hooks fit around it (see :mod:`.pipeline_logging` for how the step code r
   ``accumulate_grad_batches`` right, where ``zero_grad`` runs on a window's first batch only).
   The loss returned to Lightning is the full-batch value on every rank, as a fresh leaf.
 * Once traced, the layout follows the documented order on the stages: tensor parallelism on
-  the traced stage graphs (:mod:`~lightning_parallel.parallel.pipeline_tp`), then ZeRO
+  the traced stage graphs (:mod:`~lightning_parallel.parallel.pipeline_tp`), expert
+  parallelism on the experts the stages own (MoE layers are opaque ops in the graphs,
+  :mod:`~lightning_parallel.parallel.pipeline_moe`; expert gradients are averaged over ``edp``,
+  the rest over ``dp``), then ZeRO
   (``zero_stage`` 1-3: FSDP2 per stage, :mod:`~lightning_parallel.parallel.pipeline_fsdp`);
   the optimizers Lightning built in ``setup`` are pointed at the new parameters.
 * Data parallel x pipeline with ZeRO stage 0: each stage's gradients are averaged over its
@@ -37,10 +40,12 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from lightning_parallel.parallel.dims import DP, PP, TP
+from lightning_parallel.nn.moe import set_moe_loss_coefs, set_moe_stats_group
+from lightning_parallel.parallel.dims import DP, EP, PP, TP
 from lightning_parallel.parallel.errors import config_error
 from lightning_parallel.parallel.pipeline import PipelineRuntime, build_pipeline
 from lightning_parallel.parallel.pipeline_fsdp import apply_stage_fsdp, unsharded_for_eval
+from lightning_parallel.parallel.pipeline_moe import MoELossRecord, apply_stage_expert_parallel, moe_losses_to_backward, opaque_units
 from lightning_parallel.parallel.pipeline_tp import (
     apply_stage_tensor_parallel,
     full_value,
@@ -55,6 +60,7 @@ from lightning_parallel.parallel.pipeline_schedules import (
     resolve_virtual_stages,
     schedule_spec,
 )
+from lightning_parallel.strategies.experts import reduce_expert_grads
 from lightning_parallel.strategies.pipeline_logging import (
     LogCapture,
     LogRecord,
@@ -98,7 +104,6 @@ def resolve_pipeline_config(
     *,
     zero_stage: int = 0,
     tp: int = 1,
-    ep: int = 1,
     mixed_precision: str | None = None,
     activation_checkpointing: bool = False,
     sequence_parallel: bool = False,
@@ -107,9 +112,18 @@ def resolve_pipeline_config(
 ) -> PipelineConfig:
     """Validate the pipeline options and plan the stages (no process group, no collective)."""
     spec = schedule_spec(schedule)
+    moe = next(iter(opaque_units(module)), None)  # MoE layers run as opaque ops in the stages (parallel/pipeline_moe.py)
     unsupported = [
         ("cpu_offload", cpu_offload, cpu_offload, "use cpu_offload=False with pipeline parallelism"),
-        ("expert_parallel_size", ep, ep > 1, "use expert_parallel_size=1 with pipeline parallelism"),
+        # An opaque MoE op inside a tensor-parallel stage would meet DTensor activations, and FSDP2 on a
+        # stage would gather the MoE parameters into the stage's copy, not into the layer the op calls.
+        ("tensor_parallel_size", tp, moe is not None and tp > 1,
+         f"the model has MoE layers ({moe}): with pipelines use expert_parallel_size for them and tensor_parallel_size=1"
+         " (or tp x ep without pipelines)"),
+        ("zero_stage", zero_stage, moe is not None and zero_stage > 0,
+         f"the model has MoE layers ({moe}): pipeline stages with MoE layers keep replicated data parallelism; use zero_stage=0"),
+        ("pipeline_schedule", schedule, moe is not None and spec.zero_bubble,
+         f"the model has MoE layers ({moe}): use gpipe, 1f1b, interleaved_1f1b or looped_bfs"),
         # Tensor parallelism inside stages (parallel/pipeline_tp.py): the zero-bubble schedules
         # split the backward by detaching DTensor gradient views in place, which autograd refuses.
         ("pipeline_schedule", schedule, tp > 1 and spec.zero_bubble,
@@ -157,7 +171,6 @@ class PipelineDriver:
             strategy.split_points,
             zero_stage=strategy.zero_stage,
             tp=dims.tp,
-            ep=dims.ep,
             mixed_precision=strategy.mixed_precision,
             activation_checkpointing=strategy.activation_checkpointing,
             sequence_parallel=strategy.sequence_parallel,
@@ -171,6 +184,10 @@ class PipelineDriver:
         self._step: _TrainStep | None = None
         self._stash: list[tuple[nn.Parameter, Tensor]] = []
         self._keepers: dict[str, int] = {}
+        self._moe = bool(opaque_units(module))
+        self._expert_params: set[int] = set()  # ids of expert-parallel parameters (averaged over edp, not dp)
+        if self._moe and (strategy.moe_aux_loss_coef is not None or strategy.moe_z_loss_coef is not None):
+            set_moe_loss_coefs(module, aux=strategy.moe_aux_loss_coef, z=strategy.moe_z_loss_coef)
         rank_zero_info(self.config.plan.table())
 
     # ------------------------------------------------------------------ state
@@ -212,6 +229,14 @@ class PipelineDriver:
                 self.module, self._runtime.stage_modules(), self._runtime.owned_parameter_names(), self.dims.axis(TP), plan
             )
             swap_optimizer_parameters(self._optimizers(), mapping)
+        if self.dims.ep > 1:  # -> expert parallel: shard the experts this rank's stages kept
+            mapping = apply_stage_expert_parallel(
+                self.module, self._runtime.stage_modules(), self._runtime.owned_parameter_names(), self.dims.axis(EP), self.dims.axis(DP)
+            )
+            swap_optimizer_parameters(self._optimizers(), mapping)
+            self._expert_params = {id(p) for p in mapping.values()}
+        elif self._moe and self.dims.dp > 1:  # balance losses over the global microbatch
+            set_moe_stats_group(self.module, self.dims.axis(DP).get_group())
         if self.dims.dp > 1 and self.strategy.zero_stage >= 1:  # -> data-parallel sharding (FSDP2 per stage)
             runtime = self._runtime
             mapping = apply_stage_fsdp(
@@ -312,7 +337,9 @@ class PipelineDriver:
             p.grad = None
         self._step = _TrainStep(args, kwargs, batch_size_of(*probe), accumulate)
         try:
-            loss = runtime.train_step(*probe[0], **probe[1])
+            # A microbatch's loss is scaled by 1 / (microbatches x accumulate): so are its MoE balance losses.
+            with moe_losses_to_backward(1.0 / (self.config.microbatches * accumulate)) as moe_losses:
+                loss = runtime.train_step(*probe[0], **probe[1])
             self._average_over_data_parallel(params)
             records = reduce_microbatch_logs(self._step.records) if runtime.holds_last else None
         finally:
@@ -321,14 +348,30 @@ class PipelineDriver:
             for p, g in zip(params, previous):
                 p.grad = g
         replay_logs(module, self._broadcast(records), self.device)
+        if self._moe:
+            self._log_moe_losses(moe_losses)
         return (loss * accumulate).to(self.device).detach().requires_grad_(True)
+
+    def _log_moe_losses(self, record: MoELossRecord) -> None:
+        """Log ``moe_aux_loss``/``moe_z_loss`` as without pipelines: summed over layers (which live on
+        several stages: one sum over the pipeline group), averaged over the microbatches."""
+        m = self.config.microbatches
+        values = torch.zeros(2, dtype=torch.float32, device=self.device)
+        if record.aux:
+            values[0] = torch.stack(record.aux).sum().float() / m
+            values[1] = torch.stack(record.z).sum().float() / m
+        dist.all_reduce(values, group=self.group)
+        self.module.log("moe_aux_loss", values[0])
+        self.module.log("moe_z_loss", values[1])
 
     @torch.no_grad()
     def _average_over_data_parallel(self, params: list[nn.Parameter]) -> None:
-        """Mean of the new gradients over the stage's data-parallel peers (one flat all-reduce)."""
+        """Mean of the new gradients over the stage's data-parallel peers (one flat all-reduce);
+        expert-parallel parameters over the peers holding the same experts (edp) instead."""
         if self._dp_group is None:
             return
-        grads = [local_part(p.grad) for p in params if p.grad is not None]
+        reduce_expert_grads([p for p in params if id(p) in self._expert_params], self.dims)
+        grads = [local_part(p.grad) for p in params if p.grad is not None and id(p) not in self._expert_params]
         if not grads:
             return
         flat = torch.cat([g.reshape(-1) for g in grads])

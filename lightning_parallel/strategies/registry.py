@@ -37,8 +37,10 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "3d": (
         "3D parallelism: data x tensor x pipeline on one mesh; degrees chosen from the model and the world size"
-        " (smallest tensor, then pipeline degree above 1 the model allows; data parallel takes the rest)",
-        {"data_parallel_size": "auto", "tensor_parallel_size": "auto", "pipeline_parallel_size": "auto"},
+        " (smallest tensor, then pipeline degree above 1 the model allows; data parallel takes the rest;"
+        " a model with MoE layers gets pipeline x expert parallelism: 4D)",
+        {"data_parallel_size": "auto", "tensor_parallel_size": "auto", "pipeline_parallel_size": "auto",
+         "expert_parallel_size": "auto"},
     ),
     "ep": (
         "Expert parallelism: MoE experts split over the data-parallel ranks, tokens moved by all-to-all",

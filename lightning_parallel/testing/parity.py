@@ -72,12 +72,15 @@ class _Recorder:
         class Recorder(Callback):
             def __init__(self) -> None:
                 self.losses: list[float] = []
+                self.series: dict[str, list[float]] = {}  # every scalar logged metric, per batch
                 self.grad_norms: list[float] = []
                 self.layout: dict[str, Any] = {}
 
             def on_train_start(self, trainer: Any, pl_module: Any) -> None:
                 local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in pl_module.parameters())
+                dims = getattr(trainer.strategy, "parallel_dims", None)
                 self.layout = {
+                    "dims": dims.describe() if dims is not None else None,
                     "model": type(trainer.strategy.model).__name__,
                     "optimizer": type(trainer.optimizers[0]).__name__ if trainer.optimizers else None,
                     "local_param_numel": local,
@@ -87,6 +90,9 @@ class _Recorder:
                 value = trainer.callback_metrics.get("train_loss")
                 if value is not None:
                     self.losses.append(float(value))
+                for key, metric in trainer.callback_metrics.items():
+                    if isinstance(metric, torch.Tensor) and metric.numel() == 1:
+                        self.series.setdefault(key, []).append(float(metric))
 
             def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
                 grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
@@ -162,6 +168,7 @@ def run_fit(spec: FitSpec) -> dict[str, Any]:
     return {
         "layout": recorder.layout,
         "losses": recorder.losses,
+        "series": recorder.series,
         "grad_norms": recorder.grad_norms,
         "params": full_parameters(model),
         "metrics": metrics,

@@ -1,0 +1,142 @@
+"""Pipelines with MoE layers (pp x ep, and the 4D choice of ``strategy="3d"``) match one process.
+
+MoE dispatch has data-dependent shapes, so pipeline stages run each MoE layer as one opaque op
+(``parallel/pipeline_moe.py``); expert parallelism splits the experts of each stage over its
+data-parallel ranks.
+
+The reference for training: the MoE balance loss is not linear in the batch, and a pipeline
+computes it per microbatch (its statistics summed over the data-parallel ranks of that
+microbatch), so the single-process run it must equal is one with gradient accumulation over the
+same microbatches: a batch of ``global_batch / microbatches`` and ``accumulate_grad_batches =
+microbatches``. With ``microbatches=2`` and the parity sampler, microbatch ``m`` of every data
+rank together is the reference's ``m``-th accumulated batch, so each pipelined step's loss is the
+mean of two reference losses, and the parameters after 5 steps are equal. Evaluation and
+checkpoints are checked against plain Lightning with the balance losses off (which plain
+Lightning does not add).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_parallel.models import MoEGPT
+from lightning_parallel.strategies.pipeline_driver import resolve_pipeline_config
+from lightning_parallel.testing import run_distributed
+from lightning_parallel.testing.parity import run_fits
+from tests.test_data_parallel import HYBRID
+from tests.test_strategy_ep import MOE_SPEC
+
+MICROBATCHES = 2
+
+
+def _pp(**kwargs: Any) -> dict[str, Any]:
+    return {"class": HYBRID, "pipeline_parallel_size": 2, "microbatches": MICROBATCHES, **kwargs}
+
+
+def _accumulated_reference() -> dict[str, Any]:
+    spec = dataclasses.replace(
+        MOE_SPEC, global_batch=MOE_SPEC.global_batch // MICROBATCHES,
+        trainer_kwargs={**MOE_SPEC.trainer_kwargs, "accumulate_grad_batches": MICROBATCHES},
+    )
+    return run_distributed(run_fits, 1, [spec], init_backend=None, timeout=300)[0][0]
+
+
+def _per_step(values: list[float]) -> torch.Tensor:
+    return torch.tensor(values).view(-1, MICROBATCHES).mean(1)
+
+
+def _assert_matches_accumulated(result: dict[str, Any], reference: dict[str, Any], label: str) -> None:
+    assert len(result["losses"]) == MOE_SPEC.max_steps == len(reference["losses"]) // MICROBATCHES, label
+    torch.testing.assert_close(torch.tensor(result["losses"]), _per_step(reference["losses"]), rtol=1e-5, atol=0,
+                               msg=lambda m: f"{label}: {m}")
+    for key in ("moe_aux_loss", "moe_z_loss"):  # logged as without pipelines: summed over layers, mean over microbatches
+        torch.testing.assert_close(torch.tensor(result["series"][key]), _per_step(reference["series"][key]), rtol=1e-5,
+                                   atol=0, msg=lambda m: f"{label} {key}: {m}")
+    assert result["params"].keys() == reference["params"].keys(), label
+    for name, ref in reference["params"].items():
+        torch.testing.assert_close(result["params"][name], ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"{label} {name}: {m}")
+
+
+def _moe_eval_kwargs() -> dict[str, Any]:
+    kwargs = dict(MOE_SPEC.model_kwargs)
+    kwargs.update(aux_loss_coef=0.0, z_loss_coef=0.0)  # plain Lightning (the reference) does not add them
+    return kwargs
+
+
+def _worker(ckpt_dir: str) -> dict[str, Any]:
+    from tests.test_strategy_pp import _eval_run
+
+    specs = [
+        dataclasses.replace(MOE_SPEC, strategy=_pp(expert_parallel_size=2), devices=4),
+        dataclasses.replace(MOE_SPEC, strategy=_pp(pipeline_schedule="gpipe"), devices=4),  # dp2 x pp2, experts replicated
+        dataclasses.replace(MOE_SPEC, strategy="3d", devices=4),
+    ]
+    fits = run_fits(specs)
+    evaluation = _eval_run(_pp(expert_parallel_size=2), 4, ckpt_dir, "lightning_parallel.models:MoEGPT", _moe_eval_kwargs())
+    return {"fits": fits, "eval": evaluation}
+
+
+def test_pp2_x_ep2_and_3d_on_moe_match_single_process(tmp_path: Path) -> None:
+    from tests.test_strategy_pp import _assert_eval_matches, _eval_run
+
+    per_rank = run_distributed(_worker, 4, str(tmp_path / "pp_ep"), init_backend=None, timeout=600)
+    reference = _accumulated_reference()
+    assert reference["series"]["moe_aux_loss"][0] > 0  # the balance loss is really in play
+    labels = ("pp2 x ep2 (dp2) 1f1b+clip", "pp2 x dp2 gpipe, experts replicated", "3d auto on MoE: pp2 x dp2 (ep2)")
+    for rank, result in enumerate(per_rank):
+        for label, fit in zip(labels, result["fits"]):
+            _assert_matches_accumulated(fit, reference, f"rank {rank} {label}")
+    pp_ep, _, auto = per_rank[0]["fits"]
+    assert auto["layout"]["dims"] == pp_ep["layout"]["dims"] == "pp=2 x dp_replicate=2 x dp_shard=1 x tp=1 (ep=2)"
+    evaluation = _eval_run("auto", 1, str(tmp_path / "ref"), "lightning_parallel.models:MoEGPT", _moe_eval_kwargs())
+    _assert_eval_matches([result["eval"] for result in per_rank], evaluation)
+
+
+def test_moe_options_that_pipelines_refuse() -> None:
+    model = MoEGPT(**MOE_SPEC.model_kwargs)
+    with pytest.raises(ValueError, match=r"`tensor_parallel_size`=2 .*MoE layers \(blocks.0.mlp\).*tensor_parallel_size=1"):
+        resolve_pipeline_config(model, 2, "1f1b", "auto", "auto", None, tp=2)
+    with pytest.raises(ValueError, match=r"`zero_stage`=3 .*MoE layers.*zero_stage=0"):
+        resolve_pipeline_config(model, 2, "1f1b", "auto", "auto", None, zero_stage=3)
+    with pytest.raises(ValueError, match=r"`pipeline_schedule`='zbv' .*MoE layers.*1f1b"):
+        resolve_pipeline_config(model, 2, "zbv", "auto", "auto", None)
+    assert resolve_pipeline_config(model, 2, "1f1b", "auto", "auto", None).plan.num_stages == 2
+
+
+
+# ---------------------------------------------------------------- checkpoints across layouts
+# MOE_SPEC with momentum (optimizer state to reshard) on 3 steps an epoch, balance losses off: the
+# task loss is linear in the batch, so one process on the full batch is the exact reference and
+# both layouts see the same batches per epoch (what a resume at an epoch end counts on).
+RESUME = dataclasses.replace(
+    MOE_SPEC, model_kwargs={**_moe_eval_kwargs(), "momentum": 0.9}, data_kwargs={"num_samples": 24}, max_steps=6,
+    strategy={"class": HYBRID},
+)
+
+
+def _phase(spec: Any, first: bool, path: Path) -> Any:
+    if first:
+        return dataclasses.replace(spec, max_steps=-1, max_epochs=1, save_to=str(path))
+    return dataclasses.replace(spec, max_steps=-1, max_epochs=2, resume_from=str(path))
+
+
+@pytest.mark.slow
+def test_resume_between_pp_x_ep_and_one_process(tmp_path: Path) -> None:
+    """pp2 x ep2 -> one process and one process -> pp2 x ep2, sharded checkpoints with momentum:
+    the resumed 3 steps equal those of an uninterrupted run."""
+    pp_ep = dataclasses.replace(RESUME, strategy=_pp(expert_parallel_size=2), devices=4)
+    reference, _ = run_distributed(run_fits, 1, [RESUME, _phase(RESUME, True, tmp_path / "one.ckpt")], init_backend=None,
+                                   timeout=300)[0]
+    _, from_one = run_distributed(run_fits, 4, [_phase(pp_ep, True, tmp_path / "pp_ep.ckpt"), _phase(pp_ep, False, tmp_path / "one.ckpt")],
+                                  init_backend=None, timeout=500)[0]
+    to_one = run_distributed(run_fits, 1, [_phase(RESUME, False, tmp_path / "pp_ep.ckpt")], init_backend=None, timeout=300)[0][0]
+    for label, resumed in (("1 -> pp2 x ep2", from_one), ("pp2 x ep2 -> 1", to_one)):
+        torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(reference["losses"][3:]), rtol=1e-5, atol=0,
+                                   msg=lambda m: f"{label}: {m}")
+        for name, ref in reference["params"].items():
+            torch.testing.assert_close(resumed["params"][name], ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"{label} {name}: {m}")

@@ -21,29 +21,65 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
 
 from lightning_parallel.models import MoEGPT
 from lightning_parallel.strategies.pipeline_driver import resolve_pipeline_config
 from lightning_parallel.testing import run_distributed
-from lightning_parallel.testing.parity import run_fits
-from tests.test_data_parallel import HYBRID
+from lightning_parallel.testing.parity import FitSpec, run_fits
+from tests.test_data_parallel import HYBRID, assert_parity
+from tests.test_expert_parallel import DIM, HFStyleBlock
 from tests.test_strategy_ep import MOE_SPEC
 
 MICROBATCHES = 2
+
+
+class HFStyleMoEClassifier(pl.LightningModule):
+    """Two residual blocks whose feed-forward is a Hugging Face-style experts module (a Python loop
+    over ``torch.where(index == e)``: data-dependent) behind a traced top-k router: under pipelines
+    the experts module itself is the opaque op."""
+
+    def __init__(self, lr: float = 0.3) -> None:
+        super().__init__()
+        self.lr = lr
+        self.inp = nn.Linear(16, DIM)
+        self.layers = nn.ModuleList([HFStyleBlock(top_k=2) for _ in range(2)])
+        self.head = nn.Linear(DIM, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.inp(x))
+        for layer in self.layers:
+            h = h + layer(h)
+        return self.head(h)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.log("train_loss", loss, sync_dist=True)  # the mean over the data-parallel ranks
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+HF_SPEC = FitSpec(model="tests.test_strategy_pp_ep:HFStyleMoEClassifier", global_batch=16, max_steps=5, strategy={"class": HYBRID})
 
 
 def _pp(**kwargs: Any) -> dict[str, Any]:
     return {"class": HYBRID, "pipeline_parallel_size": 2, "microbatches": MICROBATCHES, **kwargs}
 
 
-def _accumulated_reference() -> dict[str, Any]:
+def _references() -> list[dict[str, Any]]:
+    """The MoE GPT accumulating over the microbatches, and the HF-style model (no balance loss) plainly."""
     spec = dataclasses.replace(
         MOE_SPEC, global_batch=MOE_SPEC.global_batch // MICROBATCHES,
         trainer_kwargs={**MOE_SPEC.trainer_kwargs, "accumulate_grad_batches": MICROBATCHES},
     )
-    return run_distributed(run_fits, 1, [spec], init_backend=None, timeout=300)[0][0]
+    return run_distributed(run_fits, 1, [spec, HF_SPEC], init_backend=None, timeout=300)[0]
 
 
 def _per_step(values: list[float]) -> torch.Tensor:
@@ -75,6 +111,7 @@ def _worker(ckpt_dir: str) -> dict[str, Any]:
         dataclasses.replace(MOE_SPEC, strategy=_pp(expert_parallel_size=2), devices=4),
         dataclasses.replace(MOE_SPEC, strategy=_pp(pipeline_schedule="gpipe"), devices=4),  # dp2 x pp2, experts replicated
         dataclasses.replace(MOE_SPEC, strategy="3d", devices=4),
+        dataclasses.replace(HF_SPEC, strategy=_pp(expert_parallel_size=2), devices=4),
     ]
     fits = run_fits(specs)
     evaluation = _eval_run(_pp(expert_parallel_size=2), 4, ckpt_dir, "lightning_parallel.models:MoEGPT", _moe_eval_kwargs())
@@ -85,13 +122,14 @@ def test_pp2_x_ep2_and_3d_on_moe_match_single_process(tmp_path: Path) -> None:
     from tests.test_strategy_pp import _assert_eval_matches, _eval_run
 
     per_rank = run_distributed(_worker, 4, str(tmp_path / "pp_ep"), init_backend=None, timeout=600)
-    reference = _accumulated_reference()
+    reference, hf_reference = _references()
     assert reference["series"]["moe_aux_loss"][0] > 0  # the balance loss is really in play
     labels = ("pp2 x ep2 (dp2) 1f1b+clip", "pp2 x dp2 gpipe, experts replicated", "3d auto on MoE: pp2 x dp2 (ep2)")
     for rank, result in enumerate(per_rank):
         for label, fit in zip(labels, result["fits"]):
             _assert_matches_accumulated(fit, reference, f"rank {rank} {label}")
-    pp_ep, _, auto = per_rank[0]["fits"]
+        assert_parity(result["fits"][3], hf_reference, f"rank {rank} HF-style experts, pp2 x ep2", metrics=False)
+    pp_ep, _, auto, _ = per_rank[0]["fits"]
     assert auto["layout"]["dims"] == pp_ep["layout"]["dims"] == "pp=2 x dp_replicate=2 x dp_shard=1 x tp=1 (ep=2)"
     evaluation = _eval_run("auto", 1, str(tmp_path / "ref"), "lightning_parallel.models:MoEGPT", _moe_eval_kwargs())
     _assert_eval_matches([result["eval"] for result in per_rank], evaluation)

@@ -91,16 +91,17 @@ def test_3d_takes_one_model_axis_where_only_one_fits() -> None:
     # 7 heads / 35 features: no tensor-parallel degree divides them; the pipeline takes 2.
     odd = choose_3d_degrees(_gpt(n_head=7, n_embd=35), 8, processes_per_node=8)
     assert (odd.dp, odd.tp, odd.pp) == (4, 1, 2) and "tp=2: " in odd.explain()
-    # MoE layers (4D): pipeline first, tensor parallel 1 (stages run MoE layers as opaque ops), the
-    # experts over the data-parallel ranks; a model too shallow for a pipeline falls back to tp x ep.
+    # MoE layers (4D): pipeline first, tensor parallel where it leaves two data ranks, the experts
+    # over the data-parallel ranks; a model too shallow for a pipeline falls back to tp x ep.
     from lightning_parallel.models import MoEGPT
 
     def moe_gpt(**kw: int) -> MoEGPT:
         return MoEGPT(**{"vocab_size": 64, "block_size": 16, "n_layer": 4, "n_head": 4, "n_embd": 32, "num_experts": 4, **kw})
 
     moe = choose_3d_degrees(moe_gpt(), 4, processes_per_node=4)
-    assert (moe.dp, moe.tp, moe.pp, moe.ep) == (2, 1, 2, 2) and "tp=1: the model has MoE layers" in moe.explain()
-    assert (lambda c: (c.dp, c.tp, c.pp, c.ep))(choose_3d_degrees(moe_gpt(num_experts=6), 16, processes_per_node=8)) == (8, 1, 2, 2)
+    assert (moe.dp, moe.tp, moe.pp, moe.ep) == (2, 1, 2, 2) and "tp=2: it would leave 1 data-parallel rank" in moe.explain()
+    assert (lambda c: (c.dp, c.tp, c.pp, c.ep))(choose_3d_degrees(moe_gpt(), 8, processes_per_node=8)) == (2, 2, 2, 2)
+    assert (lambda c: (c.dp, c.tp, c.pp, c.ep))(choose_3d_degrees(moe_gpt(num_experts=6), 16, processes_per_node=8)) == (4, 2, 2, 2)
     shallow = choose_3d_degrees(moe_gpt(), 8, processes_per_node=8, virtual_stages=8)  # 16+ stages, 4 blocks
     assert (shallow.dp, shallow.tp, shallow.pp, shallow.ep) == (4, 2, 1, 4) and "pp=2: " in shallow.explain()
 

@@ -1,4 +1,4 @@
-"""Pipelines with MoE layers (pp x ep, and the 4D choice of ``strategy="3d"``) match one process.
+"""Pipelines with MoE layers (pp x ep, tp x pp, 4D dp x tp x pp x ep, ``strategy="3d"``) match one process.
 
 MoE dispatch has data-dependent shapes, so pipeline stages run each MoE layer as one opaque op
 (``parallel/pipeline_moe.py``); expert parallelism splits the experts of each stage over its
@@ -112,6 +112,7 @@ def _worker(ckpt_dir: str) -> dict[str, Any]:
         dataclasses.replace(MOE_SPEC, strategy=_pp(pipeline_schedule="gpipe"), devices=4),  # dp2 x pp2, experts replicated
         dataclasses.replace(MOE_SPEC, strategy="3d", devices=4),
         dataclasses.replace(HF_SPEC, strategy=_pp(expert_parallel_size=2), devices=4),
+        dataclasses.replace(MOE_SPEC, strategy=_pp(tensor_parallel_size=2), devices=4),  # MoE layers replicated over tp
     ]
     fits = run_fits(specs)
     evaluation = _eval_run(_pp(expert_parallel_size=2), 4, ckpt_dir, "lightning_parallel.models:MoEGPT", _moe_eval_kwargs())
@@ -129,7 +130,8 @@ def test_pp2_x_ep2_and_3d_on_moe_match_single_process(tmp_path: Path) -> None:
         for label, fit in zip(labels, result["fits"]):
             _assert_matches_accumulated(fit, reference, f"rank {rank} {label}")
         assert_parity(result["fits"][3], hf_reference, f"rank {rank} HF-style experts, pp2 x ep2", metrics=False)
-    pp_ep, _, auto, _ = per_rank[0]["fits"]
+        _assert_matches_accumulated(result["fits"][4], reference, f"rank {rank} tp2 x pp2 on MoE")
+    pp_ep, _, auto, _, _ = per_rank[0]["fits"]
     assert auto["layout"]["dims"] == pp_ep["layout"]["dims"] == "pp=2 x dp_replicate=2 x dp_shard=1 x tp=1 (ep=2)"
     evaluation = _eval_run("auto", 1, str(tmp_path / "ref"), "lightning_parallel.models:MoEGPT", _moe_eval_kwargs())
     _assert_eval_matches([result["eval"] for result in per_rank], evaluation)
@@ -137,14 +139,23 @@ def test_pp2_x_ep2_and_3d_on_moe_match_single_process(tmp_path: Path) -> None:
 
 def test_moe_options_that_pipelines_refuse() -> None:
     model = MoEGPT(**MOE_SPEC.model_kwargs)
-    with pytest.raises(ValueError, match=r"`tensor_parallel_size`=2 .*MoE layers \(blocks.0.mlp\).*tensor_parallel_size=1"):
-        resolve_pipeline_config(model, 2, "1f1b", "auto", "auto", None, tp=2)
     with pytest.raises(ValueError, match=r"`zero_stage`=3 .*MoE layers.*zero_stage=0"):
         resolve_pipeline_config(model, 2, "1f1b", "auto", "auto", None, zero_stage=3)
     with pytest.raises(ValueError, match=r"`pipeline_schedule`='zbv' .*MoE layers.*1f1b"):
         resolve_pipeline_config(model, 2, "zbv", "auto", "auto", None)
     assert resolve_pipeline_config(model, 2, "1f1b", "auto", "auto", None).plan.num_stages == 2
 
+
+
+@pytest.mark.slow
+def test_4d_dp2_x_tp2_x_pp2_x_ep2_matches_single_process() -> None:
+    """``strategy="3d"`` on 8 processes and the MoE GPT chooses all four axes; it trains as one process."""
+    result = run_distributed(run_fits, 8, [dataclasses.replace(MOE_SPEC, strategy="3d", devices=8)], init_backend=None,
+                             timeout=900)
+    reference, _ = _references()
+    for rank, per_rank in enumerate(result):
+        assert per_rank[0]["layout"]["dims"] == "pp=2 x dp_replicate=2 x dp_shard=1 x tp=2 (ep=2)"
+        _assert_matches_accumulated(per_rank[0], reference, f"rank {rank} 4D")
 
 
 # ---------------------------------------------------------------- checkpoints across layouts

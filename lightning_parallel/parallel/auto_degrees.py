@@ -13,12 +13,14 @@ greater than one that the model allows, and data parallelism takes every remaini
   blocks to cut into stages;
 * data parallel: ``world / (t * p)``.
 
-A model with MoE layers (4D): the pipeline degree comes first and tensor parallelism stays 1,
-because MoE layers run inside pipeline stages as opaque ops, which tensor-parallel stages cannot
-hold (:mod:`~lightning_parallel.parallel.pipeline_moe`); where no pipeline degree fits, tensor
-parallelism is tried as for a dense model (tp x ep). The experts are then split over the largest
-divisor of the data-parallel degree that divides every layer's expert count (``ep``; 1 for a
-dense model).
+A model with MoE layers (4D): the pipeline degree comes first, then the smallest tensor-parallel
+degree that still leaves at least two data-parallel ranks, and the experts are split over the
+largest divisor of the data-parallel degree that divides every layer's expert count (``ep``;
+1 for a dense model). Why this order: the experts hold most of an MoE model's parameters and
+expert parallelism splits them at the cost of one all-to-all per layer, while tensor
+parallelism leaves MoE layers whole (inside pipeline stages they run replicated over the
+tensor-parallel ranks, :mod:`~lightning_parallel.parallel.pipeline_moe`). 4 processes: pp2 x
+dp2 with ep2; 8: pp2 x tp2 x dp2 with ep2.
 
 "3D" asks for the model-parallel axes: each gets a degree above one where the model and the
 world size allow it. When only one of them can (two processes; heads that no degree divides;
@@ -115,19 +117,15 @@ def choose_3d_degrees(
     experts = find_expert_modules(module)
     tried: list[str] = []
     failures: list[str] = []
-    pp = 1
-    if experts:  # pipeline first: MoE layers cannot sit in tensor-parallel pipeline stages
+    if experts:
+        # 4D: pipeline first, then a tensor-parallel degree only where it leaves at least two
+        # data-parallel ranks over which to split the experts.
         pp = _choose_pp(module, model_ranks, virtual_stages, split_points, tried, failures)
-    tp = 1
-    if pp == 1:
+        keep = 2 if pp > 1 and data_parallel_size == "auto" else 1
+        tp = _choose_tp(module, model_ranks // pp, processes_per_node, tp_plan, tried, failures, keep_data_ranks=keep)
+    else:
         tp = _choose_tp(module, model_ranks, processes_per_node, tp_plan, tried, failures)
-    elif experts:
-        tried.append(f"tp=1: the model has MoE layers ({next(iter(experts))}), which pipeline stages run as opaque ops "
-                     "that tensor-parallel stages cannot hold")
-    if not experts:
         pp = _choose_pp(module, model_ranks // tp, virtual_stages, split_points, tried, failures)
-    elif tp > 1:
-        failures.append(f"pp>1 with tp={tp}: the model has MoE layers, which tensor-parallel pipeline stages cannot hold")
     if tp == 1 and pp == 1:
         raise config_error(
             ValueError, "tensor_parallel_size / pipeline_parallel_size", f'"auto" on {world_size} processes',
@@ -143,9 +141,16 @@ def choose_3d_degrees(
     return DegreeChoice(dp=dp, tp=tp, pp=pp, ep=ep, tried=tuple(tried + [f"rejected: {f}" for f in failures]))
 
 
-def _choose_tp(module: nn.Module, ranks: int, per_node: int, tp_plan: dict[str, str] | None, tried: list[str], failures: list[str]) -> int:
-    """The smallest tensor-parallel degree above 1 that fits a node and splits every planned module."""
+def _choose_tp(
+    module: nn.Module, ranks: int, per_node: int, tp_plan: dict[str, str] | None, tried: list[str], failures: list[str],
+    keep_data_ranks: int = 1,
+) -> int:
+    """The smallest tensor-parallel degree above 1 that fits a node and splits every planned module
+    (and leaves ``keep_data_ranks`` of the ``ranks`` to data parallelism)."""
     for t in _divisors(ranks):
+        if ranks // t < keep_data_ranks:
+            failures.append(f"tp={t}: it would leave {ranks // t} data-parallel rank(s), and the experts need {keep_data_ranks} to be split")
+            continue
         if per_node % t:
             failures.append(f"tp={t}: more than (or not a divisor of) the {per_node} processes per node")
             continue

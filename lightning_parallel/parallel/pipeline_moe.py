@@ -43,11 +43,12 @@ import torch
 from torch import Tensor, fx, nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
 
 from lightning_parallel.nn.moe import MoE, clear_moe_stats, collect_moe_losses, set_moe_stats_group
 from lightning_parallel.parallel.errors import config_error
 from lightning_parallel.parallel.expert_parallel import apply_expert_parallel, find_expert_modules
-from lightning_parallel.parallel.pipeline_tp import replace_parameters
+from lightning_parallel.parallel.pipeline_tp import replace_parameters, retarget_calls
 
 _LIB = torch.library.Library("lightning_parallel", "DEF")
 _LIB.define("opaque_module(Tensor[] inputs, int handle) -> Tensor")
@@ -100,6 +101,30 @@ def _run_unit(inputs: list[Tensor], handle: int) -> Tensor:
             if losses["moe_loss"].requires_grad:
                 out = _AddLossGradient.apply(out, losses["moe_loss"] * record.scale)
     return out
+
+
+def run_replicated(inputs: list[Tensor], handle: int) -> Tensor:
+    """The op in a tensor-parallel stage, whose graph runs on DTensors: the MoE layer is replicated
+    over the tensor-parallel ranks (its parameters stay plain tensors), so it runs on the full
+    inputs and its output rejoins the graph as a replicated DTensor. Both conversions are
+    differentiable; the op itself never meets a DTensor (it has no sharding rule)."""
+    mesh = next((x.device_mesh for x in inputs if isinstance(x, DTensor)), None)
+    out = OPAQUE_OP([x.full_tensor() if isinstance(x, DTensor) else x for x in inputs], handle)
+    if mesh is None:
+        return out
+    return DTensor.from_local(out, mesh, [Replicate()] * mesh.ndim, run_check=False)
+
+
+def replicate_opaque_calls(stage_module: nn.Module) -> int:
+    """Route the opaque op calls of a tensor-parallel stage's graphs through :func:`run_replicated`;
+    return how many calls were rewritten."""
+    return retarget_calls(stage_module, {OPAQUE_OP: run_replicated})
+
+
+def unit_parameter_names(module: nn.Module) -> set[str]:
+    """Canonical names of the parameters inside opaque units (kept out of tensor parallelism in stages)."""
+    canonical = {id(p): n for n, p in module.named_parameters()}
+    return {canonical[id(p)] for unit in opaque_units(module).values() for p in unit.parameters()}
 
 
 def _shape_rule(inputs: list[Tensor], handle: int) -> Tensor:

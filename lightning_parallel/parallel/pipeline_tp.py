@@ -131,8 +131,9 @@ def local_part(tensor: Tensor) -> Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def views_to_reshapes(module: nn.Module) -> int:
-    """Turn every ``aten.view`` of the traced graphs under ``module`` into ``aten.reshape``; return how many."""
+def retarget_calls(module: nn.Module, targets: dict[Any, Any]) -> int:
+    """In every traced graph under ``module``, make each ``call_function`` of a key of ``targets``
+    call its value instead (same arguments); recompile what changed and return the count."""
     changed = 0
     for sub in module.modules():
         graph = getattr(sub, "graph", None)
@@ -140,8 +141,8 @@ def views_to_reshapes(module: nn.Module) -> int:
             continue
         count = 0
         for node in graph.nodes:
-            if node.op == "call_function" and node.target is torch.ops.aten.view.default:
-                node.target = torch.ops.aten.reshape.default
+            if node.op == "call_function" and node.target in targets:
+                node.target = targets[node.target]
                 count += 1
         if count:
             if isinstance(sub, fx.GraphModule):
@@ -150,6 +151,11 @@ def views_to_reshapes(module: nn.Module) -> int:
                 sub.finalize()
         changed += count
     return changed
+
+
+def views_to_reshapes(module: nn.Module) -> int:
+    """Turn every ``aten.view`` of the traced graphs under ``module`` into ``aten.reshape``; return how many."""
+    return retarget_calls(module, {torch.ops.aten.view.default: torch.ops.aten.reshape.default})
 
 
 def replace_parameters(roots: Iterable[nn.Module], replaced: dict[int, nn.Parameter]) -> None:
@@ -221,6 +227,7 @@ __all__ = [
     "local_part",
     "parameter_placements",
     "replace_parameters",
+    "retarget_calls",
     "swap_optimizer_parameters",
     "views_to_reshapes",
 ]

@@ -45,7 +45,14 @@ from lightning_parallel.parallel.dims import DP, EP, PP, TP
 from lightning_parallel.parallel.errors import config_error
 from lightning_parallel.parallel.pipeline import PipelineRuntime, build_pipeline
 from lightning_parallel.parallel.pipeline_fsdp import apply_stage_fsdp, unsharded_for_eval
-from lightning_parallel.parallel.pipeline_moe import MoELossRecord, apply_stage_expert_parallel, moe_losses_to_backward, opaque_units
+from lightning_parallel.parallel.pipeline_moe import (
+    MoELossRecord,
+    apply_stage_expert_parallel,
+    moe_losses_to_backward,
+    opaque_units,
+    replicate_opaque_calls,
+    unit_parameter_names,
+)
 from lightning_parallel.parallel.pipeline_tp import (
     apply_stage_tensor_parallel,
     full_value,
@@ -115,11 +122,7 @@ def resolve_pipeline_config(
     moe = next(iter(opaque_units(module)), None)  # MoE layers run as opaque ops in the stages (parallel/pipeline_moe.py)
     unsupported = [
         ("cpu_offload", cpu_offload, cpu_offload, "use cpu_offload=False with pipeline parallelism"),
-        # An opaque MoE op inside a tensor-parallel stage would meet DTensor activations, and FSDP2 on a
-        # stage would gather the MoE parameters into the stage's copy, not into the layer the op calls.
-        ("tensor_parallel_size", tp, moe is not None and tp > 1,
-         f"the model has MoE layers ({moe}): with pipelines use expert_parallel_size for them and tensor_parallel_size=1"
-         " (or tp x ep without pipelines)"),
+        # FSDP2 on a stage would gather the MoE parameters into the stage's copy, not into the layer the op calls.
         ("zero_stage", zero_stage, moe is not None and zero_stage > 0,
          f"the model has MoE layers ({moe}): pipeline stages with MoE layers keep replicated data parallelism; use zero_stage=0"),
         ("pipeline_schedule", schedule, moe is not None and spec.zero_bubble,
@@ -225,10 +228,12 @@ class PipelineDriver:
         self._runtime.release_non_owned()
         if self.dims.tp > 1:  # pipeline split -> tensor parallel: shard what this rank's stages kept
             plan = self.strategy.tensor_parallel_plan
-            mapping = apply_stage_tensor_parallel(
-                self.module, self._runtime.stage_modules(), self._runtime.owned_parameter_names(), self.dims.axis(TP), plan
-            )
+            # MoE layers are opaque ops that run replicated over tp: their parameters stay whole.
+            owned = self._runtime.owned_parameter_names() - unit_parameter_names(self.module)
+            mapping = apply_stage_tensor_parallel(self.module, self._runtime.stage_modules(), owned, self.dims.axis(TP), plan)
             swap_optimizer_parameters(self._optimizers(), mapping)
+            for stage_module in self._runtime.stage_modules():
+                replicate_opaque_calls(stage_module)
         if self.dims.ep > 1:  # -> expert parallel: shard the experts this rank's stages kept
             mapping = apply_stage_expert_parallel(
                 self.module, self._runtime.stage_modules(), self._runtime.owned_parameter_names(), self.dims.axis(EP), self.dims.axis(DP)

@@ -73,26 +73,35 @@ def _pp(**kwargs: Any) -> dict[str, Any]:
     return {"class": HYBRID, "pipeline_parallel_size": 2, "microbatches": MICROBATCHES, **kwargs}
 
 
-def _references() -> list[dict[str, Any]]:
-    """The MoE GPT accumulating over the microbatches, and the HF-style model (no balance loss) plainly."""
-    spec = dataclasses.replace(
-        MOE_SPEC, global_batch=MOE_SPEC.global_batch // MICROBATCHES,
-        trainer_kwargs={**MOE_SPEC.trainer_kwargs, "accumulate_grad_batches": MICROBATCHES},
+# The zero-bubble V schedule: 2 stages per rank (4 blocks), 4 microbatches.
+ZB_SPEC = dataclasses.replace(MOE_SPEC, model_kwargs={**MOE_SPEC.model_kwargs, "n_layer": 4})
+
+
+def _accumulating(spec: FitSpec, microbatches: int = MICROBATCHES) -> FitSpec:
+    return dataclasses.replace(
+        spec, global_batch=spec.global_batch // microbatches,
+        trainer_kwargs={**spec.trainer_kwargs, "accumulate_grad_batches": microbatches},
     )
-    return run_distributed(run_fits, 1, [spec, HF_SPEC], init_backend=None, timeout=300)[0]
 
 
-def _per_step(values: list[float]) -> torch.Tensor:
-    return torch.tensor(values).view(-1, MICROBATCHES).mean(1)
+def _references() -> list[dict[str, Any]]:
+    """The MoE GPT accumulating over the microbatches (2, and 4 for the V schedule), and the
+    HF-style model (no balance loss) plainly."""
+    specs = [_accumulating(MOE_SPEC), HF_SPEC, _accumulating(ZB_SPEC, 4)]
+    return run_distributed(run_fits, 1, specs, init_backend=None, timeout=300)[0]
 
 
-def _assert_matches_accumulated(result: dict[str, Any], reference: dict[str, Any], label: str) -> None:
-    assert len(result["losses"]) == MOE_SPEC.max_steps == len(reference["losses"]) // MICROBATCHES, label
-    torch.testing.assert_close(torch.tensor(result["losses"]), _per_step(reference["losses"]), rtol=1e-5, atol=0,
-                               msg=lambda m: f"{label}: {m}")
+def _per_step(values: list[float], microbatches: int = MICROBATCHES) -> torch.Tensor:
+    return torch.tensor(values).view(-1, microbatches).mean(1)
+
+
+def _assert_matches_accumulated(result: dict[str, Any], reference: dict[str, Any], label: str, microbatches: int = MICROBATCHES) -> None:
+    assert len(result["losses"]) == MOE_SPEC.max_steps == len(reference["losses"]) // microbatches, label
+    torch.testing.assert_close(torch.tensor(result["losses"]), _per_step(reference["losses"], microbatches), rtol=1e-5,
+                               atol=0, msg=lambda m: f"{label}: {m}")
     for key in ("moe_aux_loss", "moe_z_loss"):  # logged as without pipelines: summed over layers, mean over microbatches
-        torch.testing.assert_close(torch.tensor(result["series"][key]), _per_step(reference["series"][key]), rtol=1e-5,
-                                   atol=0, msg=lambda m: f"{label} {key}: {m}")
+        torch.testing.assert_close(torch.tensor(result["series"][key]), _per_step(reference["series"][key], microbatches),
+                                   rtol=1e-5, atol=0, msg=lambda m: f"{label} {key}: {m}")
     assert result["params"].keys() == reference["params"].keys(), label
     for name, ref in reference["params"].items():
         torch.testing.assert_close(result["params"][name], ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"{label} {name}: {m}")
@@ -113,6 +122,7 @@ def _worker(ckpt_dir: str) -> dict[str, Any]:
         dataclasses.replace(MOE_SPEC, strategy="3d", devices=4),
         dataclasses.replace(HF_SPEC, strategy=_pp(expert_parallel_size=2), devices=4),
         dataclasses.replace(MOE_SPEC, strategy=_pp(tensor_parallel_size=2), devices=4),  # MoE layers replicated over tp
+        dataclasses.replace(ZB_SPEC, strategy=_pp(expert_parallel_size=2, pipeline_schedule="zbv", microbatches=4), devices=4),
     ]
     fits = run_fits(specs)
     evaluation = _eval_run(_pp(expert_parallel_size=2), 4, ckpt_dir, "lightning_parallel.models:MoEGPT", _moe_eval_kwargs())
@@ -123,7 +133,7 @@ def test_pp2_x_ep2_and_3d_on_moe_match_single_process(tmp_path: Path) -> None:
     from tests.test_strategy_pp import _assert_eval_matches, _eval_run
 
     per_rank = run_distributed(_worker, 4, str(tmp_path / "pp_ep"), init_backend=None, timeout=600)
-    reference, hf_reference = _references()
+    reference, hf_reference, zb_reference = _references()
     assert reference["series"]["moe_aux_loss"][0] > 0  # the balance loss is really in play
     labels = ("pp2 x ep2 (dp2) 1f1b+clip", "pp2 x dp2 gpipe, experts replicated", "3d auto on MoE: pp2 x dp2 (ep2)")
     for rank, result in enumerate(per_rank):
@@ -131,7 +141,8 @@ def test_pp2_x_ep2_and_3d_on_moe_match_single_process(tmp_path: Path) -> None:
             _assert_matches_accumulated(fit, reference, f"rank {rank} {label}")
         assert_parity(result["fits"][3], hf_reference, f"rank {rank} HF-style experts, pp2 x ep2", metrics=False)
         _assert_matches_accumulated(result["fits"][4], reference, f"rank {rank} tp2 x pp2 on MoE")
-    pp_ep, _, auto, _, _ = per_rank[0]["fits"]
+        _assert_matches_accumulated(result["fits"][5], zb_reference, f"rank {rank} pp2 x ep2 zbv", microbatches=4)
+    pp_ep, _, auto = per_rank[0]["fits"][:3]
     assert auto["layout"]["dims"] == pp_ep["layout"]["dims"] == "pp=2 x dp_replicate=2 x dp_shard=1 x tp=1 (ep=2)"
     evaluation = _eval_run("auto", 1, str(tmp_path / "ref"), "lightning_parallel.models:MoEGPT", _moe_eval_kwargs())
     _assert_eval_matches([result["eval"] for result in per_rank], evaluation)
@@ -141,8 +152,6 @@ def test_moe_options_that_pipelines_refuse() -> None:
     model = MoEGPT(**MOE_SPEC.model_kwargs)
     with pytest.raises(ValueError, match=r"`zero_stage`=3 .*MoE layers.*zero_stage=0"):
         resolve_pipeline_config(model, 2, "1f1b", "auto", "auto", None, zero_stage=3)
-    with pytest.raises(ValueError, match=r"`pipeline_schedule`='zbv' .*MoE layers.*1f1b"):
-        resolve_pipeline_config(model, 2, "zbv", "auto", "auto", None)
     assert resolve_pipeline_config(model, 2, "1f1b", "auto", "auto", None).plan.num_stages == 2
 
 
@@ -152,7 +161,7 @@ def test_4d_dp2_x_tp2_x_pp2_x_ep2_matches_single_process() -> None:
     """``strategy="3d"`` on 8 processes and the MoE GPT chooses all four axes; it trains as one process."""
     result = run_distributed(run_fits, 8, [dataclasses.replace(MOE_SPEC, strategy="3d", devices=8)], init_backend=None,
                              timeout=900)
-    reference, _ = _references()
+    reference = _references()[0]
     for rank, per_rank in enumerate(result):
         assert per_rank[0]["layout"]["dims"] == "pp=2 x dp_replicate=2 x dp_shard=1 x tp=2 (ep=2)"
         _assert_matches_accumulated(per_rank[0], reference, f"rank {rank} 4D")

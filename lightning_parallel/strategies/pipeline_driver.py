@@ -125,8 +125,6 @@ def resolve_pipeline_config(
         # FSDP2 on a stage would gather the MoE parameters into the stage's copy, not into the layer the op calls.
         ("zero_stage", zero_stage, moe is not None and zero_stage > 0,
          f"the model has MoE layers ({moe}): pipeline stages with MoE layers keep replicated data parallelism; use zero_stage=0"),
-        ("pipeline_schedule", schedule, moe is not None and spec.zero_bubble,
-         f"the model has MoE layers ({moe}): use gpipe, 1f1b, interleaved_1f1b or looped_bfs"),
         # Tensor parallelism inside stages (parallel/pipeline_tp.py): the zero-bubble schedules
         # split the backward by detaching DTensor gradient views in place, which autograd refuses.
         ("pipeline_schedule", schedule, tp > 1 and spec.zero_bubble,

@@ -27,8 +27,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_parallel.models import MoEGPT
-from lightning_parallel.strategies.pipeline_driver import resolve_pipeline_config
 from lightning_parallel.testing import run_distributed
 from lightning_parallel.testing.parity import FitSpec, run_fits
 from tests.test_data_parallel import HYBRID, assert_parity
@@ -118,11 +116,12 @@ def _worker(ckpt_dir: str) -> dict[str, Any]:
 
     specs = [
         dataclasses.replace(MOE_SPEC, strategy=_pp(expert_parallel_size=2), devices=4),
-        dataclasses.replace(MOE_SPEC, strategy=_pp(pipeline_schedule="gpipe"), devices=4),  # dp2 x pp2, experts replicated
+        dataclasses.replace(MOE_SPEC, strategy=_pp(pipeline_schedule="gpipe", zero_stage=1), devices=4),  # experts replicated
         dataclasses.replace(MOE_SPEC, strategy="3d", devices=4),
         dataclasses.replace(HF_SPEC, strategy=_pp(expert_parallel_size=2), devices=4),
         dataclasses.replace(MOE_SPEC, strategy=_pp(tensor_parallel_size=2), devices=4),  # MoE layers replicated over tp
         dataclasses.replace(ZB_SPEC, strategy=_pp(expert_parallel_size=2, pipeline_schedule="zbv", microbatches=4), devices=4),
+        dataclasses.replace(MOE_SPEC, strategy=_pp(expert_parallel_size=2, zero_stage=3), devices=4),
     ]
     fits = run_fits(specs)
     evaluation = _eval_run(_pp(expert_parallel_size=2), 4, ckpt_dir, "lightning_parallel.models:MoEGPT", _moe_eval_kwargs())
@@ -135,25 +134,18 @@ def test_pp2_x_ep2_and_3d_on_moe_match_single_process(tmp_path: Path) -> None:
     per_rank = run_distributed(_worker, 4, str(tmp_path / "pp_ep"), init_backend=None, timeout=600)
     reference, hf_reference, zb_reference = _references()
     assert reference["series"]["moe_aux_loss"][0] > 0  # the balance loss is really in play
-    labels = ("pp2 x ep2 (dp2) 1f1b+clip", "pp2 x dp2 gpipe, experts replicated", "3d auto on MoE: pp2 x dp2 (ep2)")
+    labels = ("pp2 x ep2 (dp2) 1f1b+clip", "pp2 x dp2 gpipe zero1, experts replicated", "3d auto on MoE: pp2 x dp2 (ep2)")
     for rank, result in enumerate(per_rank):
         for label, fit in zip(labels, result["fits"]):
             _assert_matches_accumulated(fit, reference, f"rank {rank} {label}")
         assert_parity(result["fits"][3], hf_reference, f"rank {rank} HF-style experts, pp2 x ep2", metrics=False)
         _assert_matches_accumulated(result["fits"][4], reference, f"rank {rank} tp2 x pp2 on MoE")
         _assert_matches_accumulated(result["fits"][5], zb_reference, f"rank {rank} pp2 x ep2 zbv", microbatches=4)
+        _assert_matches_accumulated(result["fits"][6], reference, f"rank {rank} pp2 x ep2 zero3")
     pp_ep, _, auto = per_rank[0]["fits"][:3]
     assert auto["layout"]["dims"] == pp_ep["layout"]["dims"] == "pp=2 x dp_replicate=2 x dp_shard=1 x tp=1 (ep=2)"
     evaluation = _eval_run("auto", 1, str(tmp_path / "ref"), "lightning_parallel.models:MoEGPT", _moe_eval_kwargs())
     _assert_eval_matches([result["eval"] for result in per_rank], evaluation)
-
-
-def test_moe_options_that_pipelines_refuse() -> None:
-    model = MoEGPT(**MOE_SPEC.model_kwargs)
-    with pytest.raises(ValueError, match=r"`zero_stage`=3 .*MoE layers.*zero_stage=0"):
-        resolve_pipeline_config(model, 2, "1f1b", "auto", "auto", None, zero_stage=3)
-    assert resolve_pipeline_config(model, 2, "1f1b", "auto", "auto", None).plan.num_stages == 2
-
 
 
 @pytest.mark.slow

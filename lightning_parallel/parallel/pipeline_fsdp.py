@@ -38,16 +38,20 @@ def apply_stage_fsdp(
     dp_mesh: DeviceMesh,
     *,
     reshard_after_forward: bool,
+    ignored: set[nn.Parameter] | None = None,
 ) -> dict[nn.Parameter, nn.Parameter]:
     """Shard each training stage's parameters over ``dp_mesh``; return old -> new parameter.
 
     ``reshard_after_forward``: ZeRO-3 (gather again for each microbatch's backward) when True,
     ZeRO-2 (parameters stay gathered from a microbatch's forward to its backward) when False.
+    ``ignored``: parameters to leave whole (not in the mapping; the caller reduces their gradients).
     """
     mapping: dict[nn.Parameter, nn.Parameter] = {}
+    ignored = ignored or set()
     for stage in train_stages:
-        before = dict(stage.named_parameters())
-        fully_shard(stage, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+        before = {name: p for name, p in stage.named_parameters() if p not in ignored}
+        fully_shard(stage, mesh=dp_mesh, reshard_after_forward=reshard_after_forward,
+                    ignored_params={p for p in stage.parameters() if p in ignored} or None)
         after = dict(stage.named_parameters())
         mapping.update({before[name]: after[name] for name in before})
     replace_parameters([module, *eval_stages], {id(old): new for old, new in mapping.items()})

@@ -119,12 +119,8 @@ def resolve_pipeline_config(
 ) -> PipelineConfig:
     """Validate the pipeline options and plan the stages (no process group, no collective)."""
     spec = schedule_spec(schedule)
-    moe = next(iter(opaque_units(module)), None)  # MoE layers run as opaque ops in the stages (parallel/pipeline_moe.py)
     unsupported = [
         ("cpu_offload", cpu_offload, cpu_offload, "use cpu_offload=False with pipeline parallelism"),
-        # FSDP2 on a stage would gather the MoE parameters into the stage's copy, not into the layer the op calls.
-        ("zero_stage", zero_stage, moe is not None and zero_stage > 0,
-         f"the model has MoE layers ({moe}): pipeline stages with MoE layers keep replicated data parallelism; use zero_stage=0"),
         # Tensor parallelism inside stages (parallel/pipeline_tp.py): the zero-bubble schedules
         # split the backward by detaching DTensor gradient views in place, which autograd refuses.
         ("pipeline_schedule", schedule, tp > 1 and spec.zero_bubble,
@@ -187,6 +183,7 @@ class PipelineDriver:
         self._keepers: dict[str, int] = {}
         self._moe = bool(opaque_units(module))
         self._expert_params: set[int] = set()  # ids of expert-parallel parameters (averaged over edp, not dp)
+        self._sharded: set[int] = set()  # ids of parameters FSDP2 manages (ZeRO 1-3): not averaged here
         if self._moe and (strategy.moe_aux_loss_coef is not None or strategy.moe_z_loss_coef is not None):
             set_moe_loss_coefs(module, aux=strategy.moe_aux_loss_coef, z=strategy.moe_z_loss_coef)
         rank_zero_info(self.config.plan.table())
@@ -242,12 +239,16 @@ class PipelineDriver:
             set_moe_stats_group(self.module, self.dims.axis(DP).get_group())
         if self.dims.dp > 1 and self.strategy.zero_stage >= 1:  # -> data-parallel sharding (FSDP2 per stage)
             runtime = self._runtime
+            # MoE layers run eagerly inside opaque ops, on the layer's own parameters, which FSDP2
+            # (gathering into the stage's registrations) would not reach: they stay out of it, and
+            # their gradients are averaged like those of replicated data parallelism.
+            kept_whole = {p for n, p in self.module.named_parameters() if n in unit_parameter_names(self.module)}
             mapping = apply_stage_fsdp(
                 self.module, runtime.stages_submodules(train=True), runtime.stages_submodules(train=False),
-                self.dims.data_parallel_mesh(), reshard_after_forward=self.strategy.zero_stage == 3,
+                self.dims.data_parallel_mesh(), reshard_after_forward=self.strategy.zero_stage == 3, ignored=kept_whole,
             )
             swap_optimizer_parameters(self._optimizers(), mapping)
-            self._dp_group = None  # FSDP2 reduce-scatters the gradients itself
+            self._sharded = {id(p) for p in mapping.values()}  # FSDP2 reduce-scatters their gradients itself
         released: list[Any] = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(released, sorted(self._runtime.released), group=self.group)
         names = [n for n, _ in (*self.module.named_parameters(), *self.module.named_buffers())]
@@ -374,7 +375,8 @@ class PipelineDriver:
         if self._dp_group is None:
             return
         reduce_expert_grads([p for p in params if id(p) in self._expert_params], self.dims)
-        grads = [local_part(p.grad) for p in params if p.grad is not None and id(p) not in self._expert_params]
+        skip = self._expert_params | self._sharded
+        grads = [local_part(p.grad) for p in params if p.grad is not None and id(p) not in skip]
         if not grads:
             return
         flat = torch.cat([g.reshape(-1) for g in grads])

@@ -12,7 +12,7 @@ routing, capacity dropping, expert parallelism's all-to-alls and the balance sta
 exactly as without pipelines, and the unit's autograd graph is the op output's graph (the op's
 kernel sits on the ``Autograd`` dispatch key, so nothing is recomputed or re-derived).
 
-Three things the trace cannot see, handled here:
+What the trace cannot see, handled here and in the pipeline driver:
 
 * **Ownership.** The unit's parameters are not graph inputs, so the stage module cut from the
   graph would not hold them; :func:`hold_unit_tensors` registers them in every stage that
@@ -28,6 +28,12 @@ Three things the trace cannot see, handled here:
   batch. The detached values are recorded for logging.
 * **Expert parallelism.** Applied after tracing (export rejects DTensor parameters), to the
   experts this rank's stages own: :func:`apply_stage_expert_parallel`.
+* **Tensor-parallel stages** run their graph on DTensors; the op has no sharding rule, so there
+  it is called through :func:`run_replicated`: the layer runs replicated over the tensor-parallel
+  ranks on the full activations, and its parameters (:func:`unit_parameter_names`) stay whole.
+* **ZeRO stages** (FSDP2) gather parameters into the stage's registrations, not into the layer
+  the op calls, so the driver leaves the layer's parameters out of FSDP2 and averages their
+  gradients itself.
 """
 
 from __future__ import annotations

@@ -100,6 +100,12 @@ def _assert_matches_accumulated(result: dict[str, Any], reference: dict[str, Any
     for key in ("moe_aux_loss", "moe_z_loss"):  # logged as without pipelines: summed over layers, mean over microbatches
         torch.testing.assert_close(torch.tensor(result["series"][key]), _per_step(reference["series"][key], microbatches),
                                    rtol=1e-5, atol=0, msg=lambda m: f"{label} {key}: {m}")
+    # Per-layer statistics of the whole batch: the same keys; token counts add up over the microbatches.
+    moe_keys = sorted(k for k in reference["series"] if k.startswith("moe/"))
+    assert moe_keys and moe_keys == sorted(k for k in result["series"] if k.startswith("moe/")), label
+    for key in (k for k in moe_keys if k.endswith("_tokens")):
+        torch.testing.assert_close(torch.tensor(result["series"][key]), microbatches * _per_step(reference["series"][key], microbatches),
+                                   rtol=0, atol=0, msg=lambda m: f"{label} {key}: {m}")
     assert result["params"].keys() == reference["params"].keys(), label
     for name, ref in reference["params"].items():
         torch.testing.assert_close(result["params"][name], ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"{label} {name}: {m}")

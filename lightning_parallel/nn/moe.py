@@ -31,7 +31,7 @@ layer is the plain single-process layer (``R = 1``).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -172,7 +172,8 @@ class MoE(nn.Module):
         )
 
 
-def _stats_modules(module: nn.Module) -> Iterator[tuple[str, MoEStats]]:
+def named_moe_stats(module: nn.Module) -> Iterator[tuple[str, MoEStats]]:
+    """``(module name, MoEStats)`` of every layer under ``module`` that has run since the last clear."""
     for name, sub in module.named_modules():
         stats = getattr(sub, "moe_stats", None)
         if isinstance(stats, MoEStats):
@@ -186,7 +187,7 @@ def collect_moe_losses(module: nn.Module) -> dict[str, Tensor]:
     to the loss you backpropagate; terms whose coefficient is 0 are left out, so 0 disables),
     ``"moe_aux_loss"`` and ``"moe_z_loss"`` (unweighted sums over layers, for logging).
     """
-    found = [stats for _, stats in _stats_modules(module) if stats.aux_loss is not None and stats.z_loss is not None]
+    found = [stats for _, stats in named_moe_stats(module) if stats.aux_loss is not None and stats.z_loss is not None]
     if not found:
         return {}
     aux = torch.stack([s.aux_loss for s in found]).sum()  # type: ignore[misc]
@@ -201,9 +202,14 @@ def collect_moe_stats(module: nn.Module, prefix: str = "moe") -> dict[str, Tenso
     """Detached scalars for logging: per layer and expert the assignment count, per layer the
     dropped fraction and the load imbalance (max count / mean count), and the overall dropped
     fraction. Values are global over the stats group, hence equal on every rank."""
+    return moe_stats_log(named_moe_stats(module), prefix)
+
+
+def moe_stats_log(named: Iterable[tuple[str, MoEStats]], prefix: str = "moe") -> dict[str, Tensor]:
+    """:func:`collect_moe_stats` for given ``(layer name, MoEStats)`` pairs (e.g. gathered from pipeline stages)."""
     out: dict[str, Tensor] = {}
     dropped = []
-    for name, stats in _stats_modules(module):
+    for name, stats in named:
         key = f"{prefix}/{name}" if name else prefix
         counts = stats.tokens_per_expert.detach()
         for e, count in enumerate(counts):
@@ -253,6 +259,8 @@ __all__ = [
     "clear_moe_stats",
     "collect_moe_losses",
     "collect_moe_stats",
+    "moe_stats_log",
+    "named_moe_stats",
     "set_moe_loss_coefs",
     "set_moe_stats_group",
 ]

@@ -51,25 +51,40 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
-from lightning_parallel.nn.moe import MoE, clear_moe_stats, collect_moe_losses, set_moe_stats_group
+from lightning_parallel.nn.moe import MoE, MoEStats, clear_moe_stats, collect_moe_losses, named_moe_stats, set_moe_stats_group
 from lightning_parallel.parallel.errors import config_error
 from lightning_parallel.parallel.expert_parallel import apply_expert_parallel, find_expert_modules
 from lightning_parallel.parallel.pipeline_tp import replace_parameters, retarget_calls
 
 _LIB = torch.library.Library("lightning_parallel", "DEF")
 _LIB.define("opaque_module(Tensor[] inputs, int handle) -> Tensor")
-_UNITS: dict[int, weakref.ReferenceType[nn.Module]] = {}
+_UNITS: dict[int, tuple[weakref.ReferenceType[nn.Module], str]] = {}  # handle -> (unit, its name)
 _HANDLE_ATTR = "_lp_opaque_handle"
 _next_handle = itertools.count()
 
 
 @dataclass
 class MoELossRecord:
-    """Detached balance losses of the MoE calls in one :func:`moe_losses_to_backward` block."""
+    """What the MoE calls in one :func:`moe_losses_to_backward` block measured (detached): balance
+    losses, and per layer (by name) the statistics of each call."""
 
     scale: float
     aux: list[Tensor] = field(default_factory=list)
     z: list[Tensor] = field(default_factory=list)
+    stats: dict[str, list[MoEStats]] = field(default_factory=dict)
+
+    def layer_stats(self) -> dict[str, MoEStats]:
+        """Per layer, the statistics of all its calls together: assignment counts add up over the
+        microbatches (the global batch's counts), and the dropped fraction of equal microbatches
+        is their mean."""
+        out = {}
+        for name, calls in self.stats.items():
+            dropped = [c.dropped_fraction for c in calls if c.dropped_fraction is not None]
+            out[name] = MoEStats(
+                tokens_per_expert=torch.stack([c.tokens_per_expert for c in calls]).sum(0),
+                dropped_fraction=torch.stack(dropped).mean() if dropped else None,
+            )
+        return out
 
 
 _active: list[MoELossRecord] = []
@@ -93,20 +108,30 @@ def _run_unit(inputs: list[Tensor], handle: int) -> Tensor:
     """The op's kernel: call the unit (under the trace's fake tensors, only the shape rule)."""
     if any(isinstance(x, FakeTensor) or x.is_meta for x in inputs):
         return torch.empty_like(inputs[0])
-    unit = _UNITS[handle]()
+    ref, name = _UNITS[handle]
+    unit = ref()
     if unit is None:
         raise RuntimeError(f"the module behind opaque op handle {handle} no longer exists (a stage outlived its model)")
     out = unit(*inputs)
-    if isinstance(unit, MoE):
-        losses = collect_moe_losses(unit)
-        clear_moe_stats(unit)  # its graph now lives in `out` (or nowhere): do not keep it twice
-        record = _active[-1] if _active else None
-        if losses and record is not None and torch.is_grad_enabled() and out.requires_grad:
-            record.aux.append(losses["moe_aux_loss"].detach())
-            record.z.append(losses["moe_z_loss"].detach())
-            if losses["moe_loss"].requires_grad:
-                out = _AddLossGradient.apply(out, losses["moe_loss"] * record.scale)
+    losses = collect_moe_losses(unit)
+    measured = list(named_moe_stats(unit))
+    clear_moe_stats(unit)  # their graph now lives in `out` (or nowhere): do not keep it twice
+    record = _active[-1] if _active else None
+    if record is None or not torch.is_grad_enabled() or not out.requires_grad:
+        return out
+    for sub, stats in measured:
+        detached = MoEStats(stats.tokens_per_expert.detach(), dropped_fraction=_detached(stats.dropped_fraction))
+        record.stats.setdefault(f"{name}.{sub}" if sub else name, []).append(detached)
+    if losses:
+        record.aux.append(losses["moe_aux_loss"].detach())
+        record.z.append(losses["moe_z_loss"].detach())
+        if losses["moe_loss"].requires_grad:
+            out = _AddLossGradient.apply(out, losses["moe_loss"] * record.scale)
     return out
+
+
+def _detached(value: Tensor | None) -> Tensor | None:
+    return None if value is None else value.detach()
 
 
 def run_replicated(inputs: list[Tensor], handle: int) -> Tensor:
@@ -155,11 +180,12 @@ def opaque_units(module: nn.Module) -> dict[str, nn.Module]:
     return dict(sorted(units.items()))
 
 
-def _handle(unit: nn.Module) -> int:
+def _handle(unit: nn.Module, name: str) -> int:
+    """The unit's op handle (``name``: its name in the traced model, which its logged statistics use)."""
     handle = unit.__dict__.get(_HANDLE_ATTR)
-    if handle is None or _UNITS.get(handle, lambda: None)() is not unit:
+    if handle is None or _UNITS[handle][0]() is not unit or _UNITS[handle][1] != name:
         handle = next(_next_handle)
-        _UNITS[handle] = weakref.ref(unit)
+        _UNITS[handle] = (weakref.ref(unit), name)
         unit.__dict__[_HANDLE_ATTR] = handle
     return handle
 
@@ -188,7 +214,7 @@ def opaque_forwards(module: nn.Module) -> Iterator[dict[str, nn.Module]]:
     previous = {name: unit.__dict__.get("forward") for name, unit in units.items()}
     try:
         for name, unit in units.items():
-            unit.forward = _OpaqueForward(name, _handle(unit))  # type: ignore[method-assign]
+            unit.forward = _OpaqueForward(name, _handle(unit, name))  # type: ignore[method-assign]
         yield units
     finally:
         for name, unit in units.items():
@@ -225,7 +251,7 @@ def hold_unit_tensors(stage_module: nn.Module, module: nn.Module) -> list[str]:
     names = {id(m): n for n, m in module.named_modules()}
     held = []
     for handle in sorted(handles):
-        unit = _UNITS[handle]()
+        unit = _UNITS[handle][0]()
         if unit is None or id(unit) not in names:
             raise RuntimeError(f"opaque op handle {handle} does not name a module of {type(module).__name__}")
         prefix = names[id(unit)]

@@ -40,7 +40,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from lightning_parallel.nn.moe import set_moe_loss_coefs, set_moe_stats_group
+from lightning_parallel.nn.moe import MoEStats, moe_stats_log, set_moe_loss_coefs, set_moe_stats_group
 from lightning_parallel.parallel.dims import DP, EP, PP, TP
 from lightning_parallel.parallel.errors import config_error
 from lightning_parallel.parallel.pipeline import PipelineRuntime, build_pipeline
@@ -353,12 +353,13 @@ class PipelineDriver:
                 p.grad = g
         replay_logs(module, self._broadcast(records), self.device)
         if self._moe:
-            self._log_moe_losses(moe_losses)
+            self._log_moe(moe_losses)
         return (loss * accumulate).to(self.device).detach().requires_grad_(True)
 
-    def _log_moe_losses(self, record: MoELossRecord) -> None:
-        """Log ``moe_aux_loss``/``moe_z_loss`` as without pipelines: summed over layers (which live on
-        several stages: one sum over the pipeline group), averaged over the microbatches."""
+    def _log_moe(self, record: MoELossRecord) -> None:
+        """Log what an MoE model logs without pipelines, from layers that live on several stages:
+        ``moe_aux_loss``/``moe_z_loss`` (summed over layers, averaged over the microbatches) and
+        per layer the statistics of the whole batch (:meth:`MoELossRecord.layer_stats`)."""
         m = self.config.microbatches
         values = torch.zeros(2, dtype=torch.float32, device=self.device)
         if record.aux:
@@ -367,6 +368,12 @@ class PipelineDriver:
         dist.all_reduce(values, group=self.group)
         self.module.log("moe_aux_loss", values[0])
         self.module.log("moe_z_loss", values[1])
+        per_stage: list[Any] = [None] * dist.get_world_size(self.group)
+        mine = {n: detached_cpu((s.tokens_per_expert, s.dropped_fraction)) for n, s in record.layer_stats().items()}
+        dist.all_gather_object(per_stage, mine, group=self.group)
+        layers = sorted(((name, MoEStats(counts, dropped_fraction=dropped)) for stage in per_stage for name, (counts, dropped) in stage.items()),
+                        key=lambda item: item[0])
+        self.module.log_dict({k: v.to(self.device) for k, v in moe_stats_log(layers).items()})
 
     @torch.no_grad()
     def _average_over_data_parallel(self, params: list[nn.Parameter]) -> None:

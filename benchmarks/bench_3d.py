@@ -26,6 +26,7 @@ slowest rank.
     python benchmarks/bench_3d.py                  # both parts
     python benchmarks/bench_3d.py --part state     # (a) only
     python benchmarks/bench_3d.py --part speed --steps 20
+    python benchmarks/bench_3d.py --part speed --moe 4   # (b) on the MoE GPT: 3d is pp2 x dp2 x ep2 (4D minus tp)
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ import lightning_parallel  # noqa: F401  (registers the strategy names)
 from lightning_parallel import HybridParallelStrategy
 from lightning_parallel.callbacks import ParallelismMonitor
 from lightning_parallel.launcher import run_distributed
-from lightning_parallel.models import GPT
+from lightning_parallel.models import GPT, MoEGPT
 
 MIB = 2**20
 Spec = dict[str, Any] | str  # HybridParallelStrategy kwargs, or a registered strategy name
@@ -61,8 +62,11 @@ class _Monitor(ParallelismMonitor):
 
 
 def _model(args: argparse.Namespace) -> GPT:
-    return GPT(vocab_size=args.vocab, block_size=args.block, n_layer=args.layers, n_head=args.heads, n_embd=args.embd,
-               lr=1e-3, optimizer="adamw")
+    kwargs = dict(vocab_size=args.vocab, block_size=args.block, n_layer=args.layers, n_head=args.heads, n_embd=args.embd,
+                  lr=1e-3, optimizer="adamw")
+    if args.moe:
+        return MoEGPT(**kwargs, num_experts=args.moe, top_k=2)
+    return GPT(**kwargs)
 
 
 def _strategy(spec: Spec) -> Any:
@@ -85,7 +89,7 @@ def _fit(spec: Spec, devices: int, dp: int, global_batch: int, args: argparse.Na
         )
         trainer.fit(_model(args), data)
     dims = getattr(trainer.strategy, "parallel_dims", None)
-    layout = {"dp": dims.dp, "tp": dims.tp, "pp": dims.pp} if dims is not None else {"dp": 1, "tp": 1, "pp": 1}
+    layout = {"dp": dims.dp, "tp": dims.tp, "pp": dims.pp, "ep": dims.ep} if dims is not None else {"dp": 1, "tp": 1, "pp": 1, "ep": 1}
     assert layout["dp"] == dp, f"expected dp={dp}, the strategy chose {layout}"  # the batch was sized for it
     assert monitor.summary is not None
     return {
@@ -154,20 +158,24 @@ def speed_part(args: argparse.Namespace) -> None:
         "pp (pp4)": ("pp", 1),
         "3d auto": ("3d", 1),  # 4 processes: tp2 x pp2, dp 1 (checked in _fit)
     }
+    if args.moe:  # 4 processes on an MoE model: ep over all four, and 3d picks pp2 x dp2 with ep2
+        runs = {"dp (dp4)": ("dp", 4), "ep (dp4 ep4)": ("ep", 4), "tp (tp4)": ("tp", 1), "pp (pp4)": ("pp", 1), "3d auto": ("3d", 2)}
     results: dict[str, dict[str, Any]] = {}
     for _ in range(args.rounds):  # alternate the strategies, keep each one's best round
         for name, (strategy, dp) in runs.items():
             result = run(strategy, devices, dp, batch, args)
             if name not in results or result["step_s_max"] < results[name]["step_s_max"]:
                 results[name] = result
+    model = f"MoE GPT ({args.moe} experts, top-2)" if args.moe else "GPT"
     print(f"\n(b) step time on {devices} processes, global batch {batch} x {args.block} tokens, "
-          f"GPT n_layer={args.layers} n_head={args.heads} n_embd={args.embd}, AdamW, "
+          f"{model} n_layer={args.layers} n_head={args.heads} n_embd={args.embd}, AdamW, "
           f"median of steps {args.warmup + 1}-{args.steps}, slowest rank"
           f"{f', best of {args.rounds} rounds' if args.rounds > 1 else ''}")
-    print(f"{'run':<12}{'layout':>16}{'step ms':>10}{'samples/s':>11}")
+    print(f"{'run':<14}{'layout':>20}{'step ms':>10}{'samples/s':>11}{'state MiB (largest rank)':>26}")
     for name, r in results.items():
         layout = " x ".join(f"{k}{v}" for k, v in r["layout"].items() if v > 1)
-        print(f"{name:<12}{layout:>16}{1e3 * r['step_s_max']:>10.1f}{batch / r['step_s_max']:>11.1f}")
+        print(f"{name:<14}{layout:>20}{1e3 * r['step_s_max']:>10.1f}{batch / r['step_s_max']:>11.1f}"
+              f"{max(r['state_per_rank']) / MIB:>26.3f}")
     three_d = results["3d auto"]["step_s_max"]
     singles = {n: r["step_s_max"] for n, r in results.items() if n != "3d auto"}
     best = min(singles, key=singles.get)  # type: ignore[arg-type]
@@ -189,6 +197,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=1, help="(b): repeat the four runs, keep each one's fastest")
+    parser.add_argument("--moe", type=int, default=0, help="(b): experts per layer (the MoE GPT; 0: the dense GPT)")
     args = parser.parse_args()
     if args.part in ("state", "both"):
         state_part(args)

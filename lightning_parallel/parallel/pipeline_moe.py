@@ -64,7 +64,7 @@ _next_handle = itertools.count()
 
 
 @dataclass
-class MoELossRecord:
+class MoEStepRecord:
     """What the MoE calls in one :func:`moe_losses_to_backward` block measured (detached): balance
     losses, and per layer (by name) the statistics of each call."""
 
@@ -87,7 +87,7 @@ class MoELossRecord:
         return out
 
 
-_active: list[MoELossRecord] = []
+_active: list[MoEStepRecord] = []
 
 
 class _AddLossGradient(torch.autograd.Function):
@@ -263,10 +263,10 @@ def hold_unit_tensors(stage_module: nn.Module, module: nn.Module) -> list[str]:
 
 
 @contextmanager
-def moe_losses_to_backward(scale: float) -> Iterator[MoELossRecord]:
+def moe_losses_to_backward(scale: float) -> Iterator[MoEStepRecord]:
     """MoE calls under this block add ``scale`` x their balance loss to the backward (see the module
     docstring); ``scale`` is what the pipeline multiplies a microbatch's loss by (1 / microbatches)."""
-    record = MoELossRecord(scale)
+    record = MoEStepRecord(scale)
     _active.append(record)
     try:
         yield record
@@ -299,7 +299,7 @@ def apply_stage_expert_parallel(
 
 
 __all__ = [
-    "MoELossRecord",
+    "MoEStepRecord",
     "OPAQUE_OP",
     "apply_stage_expert_parallel",
     "hold_unit_tensors",

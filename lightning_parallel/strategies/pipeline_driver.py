@@ -46,7 +46,7 @@ from lightning_parallel.parallel.errors import config_error
 from lightning_parallel.parallel.pipeline import PipelineRuntime, build_pipeline
 from lightning_parallel.parallel.pipeline_fsdp import apply_stage_fsdp, unsharded_for_eval
 from lightning_parallel.parallel.pipeline_moe import (
-    MoELossRecord,
+    MoEStepRecord,
     apply_stage_expert_parallel,
     moe_losses_to_backward,
     opaque_units,
@@ -356,10 +356,10 @@ class PipelineDriver:
             self._log_moe(moe_losses)
         return (loss * accumulate).to(self.device).detach().requires_grad_(True)
 
-    def _log_moe(self, record: MoELossRecord) -> None:
+    def _log_moe(self, record: MoEStepRecord) -> None:
         """Log what an MoE model logs without pipelines, from layers that live on several stages:
         ``moe_aux_loss``/``moe_z_loss`` (summed over layers, averaged over the microbatches) and
-        per layer the statistics of the whole batch (:meth:`MoELossRecord.layer_stats`)."""
+        per layer the statistics of the whole batch (:meth:`MoEStepRecord.layer_stats`)."""
         m = self.config.microbatches
         values = torch.zeros(2, dtype=torch.float32, device=self.device)
         if record.aux:

@@ -106,7 +106,13 @@ class LogCapture:
     def __init__(self, module: nn.Module) -> None:
         self.module = module
         self.records: list[LogRecord] = []
-        self._metric_names = {id(m): n for n, m in module.named_modules() if isinstance(m, Metric)}
+        self._metric_table: dict[int, str] | None = None  # built when a Metric is logged: one capture per microbatch
+
+    @property
+    def _metric_names(self) -> dict[int, str]:
+        if self._metric_table is None:
+            self._metric_table = {id(m): n for n, m in self.module.named_modules() if isinstance(m, Metric)}
+        return self._metric_table
 
     def __call__(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         bound = _LOG_SIGNATURE.bind(self.module, name, value, *args, **kwargs)

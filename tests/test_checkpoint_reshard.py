@@ -327,18 +327,23 @@ def _saved_momenta(path: Path) -> dict[str, torch.Tensor]:
 
 @pytest.mark.slow
 def test_resume_one_process_on_dp2_x_tp2_x_pp2(tmp_path: Path) -> None:
-    """One process -> dp2 x tp2 x pp2 (8 processes): the loaded full tensors are split into
+    """One process -> dp2 x tp2 x pp2 (8 processes; ZeRO 0 and 3): the loaded full tensors are split into
     stages, and tensor shards with their momentum buffers, when the first batch is traced. The
     resumed run saves again: its momentum buffers must be the uninterrupted run's. (Every rank
     restored every buffer; the stages that released a parameter hold a stale copy of its
     buffer, which must not reach the checkpoint.)"""
     plain = dataclasses.replace(GPT, strategy=_strategy({}, True), save_to=str(tmp_path / "reference.ckpt"))
     single_a, b = _phases(GPT, tmp_path / "single.ckpt", {}, DP_TP_PP, True)
+    _, b_zero3 = _phases(GPT, tmp_path / "single.ckpt", {}, {**DP_TP_PP, "zero_stage": 3}, True)
     reference, _ = _run([plain, single_a], 1)
-    resumed = _run([dataclasses.replace(b, save_to=str(tmp_path / "3d.ckpt"))], 8)[0]
-    _assert_continues(resumed, reference, "1 -> dp2 x tp2 x pp2")
-    expected, saved = _saved_momenta(tmp_path / "reference.ckpt"), _saved_momenta(tmp_path / "3d.ckpt")
-    assert saved.keys() == expected.keys() == reference["params"].keys()
-    for name, ref in expected.items():  # the attention key bias has zero gradient: its momentum is round-off
-        error = float((saved[name] - ref).norm() / ref.norm().clamp_min(1e-12))
-        assert error <= 1e-5 or float(ref.norm()) < 1e-8, f"momentum of {name} under dp2 x tp2 x pp2: relative error {error:.2e}"
+    # ZeRO-3 too: the momentum, laid out for tensor parallelism first, is then sharded for FSDP2.
+    resumed = _run([dataclasses.replace(b, save_to=str(tmp_path / "3d.ckpt")),
+                    dataclasses.replace(b_zero3, save_to=str(tmp_path / "3d-zero3.ckpt"))], 8)
+    expected = _saved_momenta(tmp_path / "reference.ckpt")
+    for result, saved_to, label in zip(resumed, ("3d.ckpt", "3d-zero3.ckpt"), ("dp2 x tp2 x pp2", "dp2 x tp2 x pp2 zero3")):
+        _assert_continues(result, reference, f"1 -> {label}")
+        saved = _saved_momenta(tmp_path / saved_to)
+        assert saved.keys() == expected.keys() == reference["params"].keys()
+        for name, ref in expected.items():  # the attention key bias has zero gradient: its momentum is round-off
+            error = float((saved[name] - ref).norm() / ref.norm().clamp_min(1e-12))
+            assert error <= 1e-5 or float(ref.norm()) < 1e-8, f"momentum of {name} under {label}: relative error {error:.2e}"

@@ -216,7 +216,9 @@ def swap_optimizer_parameters(optimizers: Iterable[Optimizer], mapping: dict[nn.
             state = optimizer.state.pop(old)
             for key, value in state.items():
                 if isinstance(value, Tensor) and isinstance(new, DTensor) and value.shape == old.shape and value.dim() > 0:
-                    state[key] = distribute_tensor(value, new.device_mesh, new.placements, src_data_rank=None)
+                    # Already laid out (tensor-parallel state meeting ZeRO's new parameters): from the whole value.
+                    whole = full_value(value) if isinstance(value, DTensor) else value
+                    state[key] = distribute_tensor(whole, new.device_mesh, new.placements, src_data_rank=None)
             optimizer.state[new] = state
 
 

@@ -51,7 +51,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
-from lightning_parallel.nn.moe import MoE, MoEStats, clear_moe_stats, collect_moe_losses, named_moe_stats, set_moe_stats_group
+from lightning_parallel.nn.moe import MoE, MoEStats, clear_moe_stats, collect_moe_losses, named_moe_stats
 from lightning_parallel.parallel.errors import config_error
 from lightning_parallel.parallel.expert_parallel import apply_expert_parallel, find_expert_modules
 from lightning_parallel.parallel.pipeline_tp import replace_parameters, retarget_calls
@@ -280,10 +280,9 @@ def apply_stage_expert_parallel(
     """Shard the experts whose parameters this rank's stages own over ``ep_mesh``; old -> new parameter.
 
     The new parameters replace the old ones in ``module`` and in ``stage_modules``. The other
-    experts were released (another stage keeps them) and stay as they are. Every MoE layer
-    computes its statistics over ``dp_mesh``, as without pipelines.
+    experts were released (another stage keeps them) and stay as they are. MoE layers compute
+    their statistics over ``dp_mesh``, as without pipelines.
     """
-    set_moe_stats_group(module, dp_mesh.get_group())
     mine = sorted(
         name for name, sub in find_expert_modules(module).items()
         if all(f"{name}.{p}" in owned for p, _ in sub.named_parameters(recurse=False))

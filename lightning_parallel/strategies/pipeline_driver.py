@@ -221,10 +221,13 @@ class PipelineDriver:
             device=self.device,
         )
         self._runtime.release_non_owned()
+        whole = unit_parameter_names(self.module)  # MoE layers' parameters: kept out of tp and ZeRO (see below)
+        if self._moe and self.dims.dp > 1:  # balance losses over the global microbatch
+            set_moe_stats_group(self.module, self.dims.axis(DP).get_group())
         if self.dims.tp > 1:  # pipeline split -> tensor parallel: shard what this rank's stages kept
             plan = self.strategy.tensor_parallel_plan
             # MoE layers are opaque ops that run replicated over tp: their parameters stay whole.
-            owned = self._runtime.owned_parameter_names() - unit_parameter_names(self.module)
+            owned = self._runtime.owned_parameter_names() - whole
             mapping = apply_stage_tensor_parallel(self.module, self._runtime.stage_modules(), owned, self.dims.axis(TP), plan)
             swap_optimizer_parameters(self._optimizers(), mapping)
             for stage_module in self._runtime.stage_modules():
@@ -235,14 +238,12 @@ class PipelineDriver:
             )
             swap_optimizer_parameters(self._optimizers(), mapping)
             self._expert_params = {id(p) for p in mapping.values()}
-        elif self._moe and self.dims.dp > 1:  # balance losses over the global microbatch
-            set_moe_stats_group(self.module, self.dims.axis(DP).get_group())
         if self.dims.dp > 1 and self.strategy.zero_stage >= 1:  # -> data-parallel sharding (FSDP2 per stage)
             runtime = self._runtime
             # MoE layers run eagerly inside opaque ops, on the layer's own parameters, which FSDP2
             # (gathering into the stage's registrations) would not reach: they stay out of it, and
             # their gradients are averaged like those of replicated data parallelism.
-            kept_whole = {p for n, p in self.module.named_parameters() if n in unit_parameter_names(self.module)}
+            kept_whole = {p for n, p in self.module.named_parameters() if n in whole}
             mapping = apply_stage_fsdp(
                 self.module, runtime.stages_submodules(train=True), runtime.stages_submodules(train=False),
                 self.dims.data_parallel_mesh(), reshard_after_forward=self.strategy.zero_stage == 3, ignored=kept_whole,

@@ -5,7 +5,11 @@ Importing the package registers the strategy names (``dp``, ``zero1``, ``zero2``
 ``Trainer(strategy="zero3")`` works with an unchanged LightningModule.
 """
 
-from lightning_parallel.parallel.dims import ParallelDims
+from lightning_parallel._torchvision_compat import ensure_torchvision_importable
+
+ensure_torchvision_importable()  # before anything imports lightning (see the module)
+
+from lightning_parallel.parallel.dims import ParallelDims  # noqa: E402
 from lightning_parallel.strategies import PRESETS, HybridParallelStrategy, register_strategies, strategy_from_name
 
 __version__ = "0.1.0"

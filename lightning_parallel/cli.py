@@ -33,7 +33,7 @@ from typing_extensions import override
 
 import lightning_parallel
 from lightning_parallel.callbacks import ParallelismMonitor
-from lightning_parallel.parallel.errors import config_error
+from lightning_parallel.errors import config_error
 from lightning_parallel.strategies import PRESETS, HybridParallelStrategy
 
 STRATEGY_FLAG = "--trainer.strategy"

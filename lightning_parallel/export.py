@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from lightning_parallel.parallel.errors import config_error
+from lightning_parallel.errors import config_error
 from lightning_parallel.strategies.checkpoint import META_FILENAME, is_sharded_checkpoint
 
 _PREFIX = "state_dict."

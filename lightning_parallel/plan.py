@@ -31,7 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from lightning_parallel.parallel.dims import ParallelDims
-from lightning_parallel.parallel.errors import config_error
+from lightning_parallel.errors import config_error
 
 _DEGREES = ("data_parallel_size", "tensor_parallel_size", "pipeline_parallel_size", "expert_parallel_size")
 

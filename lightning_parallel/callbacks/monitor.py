@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_parallel.callbacks.measure import CollectiveTimer, model_state_bytes, peak_memory_bytes
-from lightning_parallel.parallel.errors import config_error
+from lightning_parallel.errors import config_error
 
 RESULT_FILE = "parallelism.json"
 

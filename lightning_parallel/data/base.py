@@ -27,7 +27,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_parallel.models.base import check_positive_int
-from lightning_parallel.parallel.errors import config_error
+from lightning_parallel.errors import config_error
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from torch.utils.data import Dataset
 
 from lightning_parallel.data.base import SplitDataModule, Splits, check_split_fractions, split_sizes
 from lightning_parallel.models.base import check_positive_int
-from lightning_parallel.parallel.errors import config_error
+from lightning_parallel.errors import config_error
 
 VOCAB_SIZE = 128
 UNKNOWN_CODE = 0x1A  # ASCII SUB: stands in for every non-ASCII character

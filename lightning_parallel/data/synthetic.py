@@ -20,7 +20,7 @@ from torch.utils.data import TensorDataset
 
 from lightning_parallel.data.base import SplitDataModule, Splits, check_split_fractions, split_sizes
 from lightning_parallel.models.base import check_fraction, check_positive_int
-from lightning_parallel.parallel.errors import config_error
+from lightning_parallel.errors import config_error
 
 
 def _split_tensors(x: torch.Tensor, y: torch.Tensor, val_fraction: float, test_fraction: float) -> Splits:

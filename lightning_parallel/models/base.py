@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torchmetrics.classification import MulticlassAccuracy
 
-from lightning_parallel.parallel.errors import config_error
+from lightning_parallel.errors import config_error
 
 OPTIMIZERS: tuple[str, ...] = ("sgd", "adamw")
 """Names accepted by the ``optimizer`` argument of every model in the zoo."""

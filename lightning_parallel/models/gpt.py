@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_parallel.models.base import ClassificationModule, check_fraction, check_positive_int
-from lightning_parallel.parallel.errors import config_error
+from lightning_parallel.errors import config_error
 
 
 def check_heads(n_embd: int, n_head: int) -> None:

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_parallel.models.base import ClassificationModule, check_positive_int
-from lightning_parallel.parallel.errors import config_error
+from lightning_parallel.errors import config_error
 
 BASE_MODEL_TP_PLAN: dict[str, str] = {
     "layers.*.self_attn.q_proj": "colwise",

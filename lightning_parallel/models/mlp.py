@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from torch import Tensor, nn
 
 from lightning_parallel.models.base import ClassificationModule, check_positive_int
-from lightning_parallel.parallel.errors import config_error
+from lightning_parallel.errors import config_error
 
 ACTIVATIONS: dict[str, type[nn.Module]] = {
     "relu": nn.ReLU,

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_parallel.parallel.errors import config_error
+from lightning_parallel.errors import config_error
 
 Activation = Literal["gelu", "relu", "silu", "swiglu"]
 _ACTIVATIONS = ("gelu", "relu", "silu", "swiglu")

@@ -40,7 +40,7 @@ from torch import Tensor, nn
 
 from lightning_parallel.nn.experts import Activation, DenseMLP, GroupedExperts
 from lightning_parallel.nn.router import Routing, ScoreFunc, TopKRouter, drop_over_capacity, expert_capacity
-from lightning_parallel.parallel.errors import config_error
+from lightning_parallel.errors import config_error
 
 
 @dataclass

@@ -21,7 +21,7 @@ from typing import Literal, NamedTuple
 import torch
 from torch import Tensor, nn
 
-from lightning_parallel.parallel.errors import config_error
+from lightning_parallel.errors import config_error
 
 ScoreFunc = Literal["softmax", "sigmoid"]
 

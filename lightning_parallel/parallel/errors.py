@@ -1,14 +1,9 @@
-"""One shape for every configuration error: the field, the value, the rule and a fix.
+"""Re-export of :func:`lightning_parallel.errors.config_error` for the torch layer.
 
-Users meet these errors on a cluster, often in the log of one rank among many: a message that
-names all four saves a round trip. They are raised before any process waits on a collective.
+The helper lives at the package root so that the models, data, nn and app packages import
+nothing from ``parallel/``; the torch layer imports it from here or from the root alike.
 """
 
-from __future__ import annotations
+from lightning_parallel.errors import config_error
 
-from typing import Any
-
-
-def config_error(kind: type[Exception], field: str, value: Any, rule: str, fix: str) -> Exception:
-    """Build ``kind`` (ValueError, TypeError, ...) with the project's message layout."""
-    return kind(f"`{field}`={value!r} is invalid: {rule}. HINT: {fix}")
+__all__ = ["config_error"]

@@ -49,6 +49,28 @@ META_FILENAME = "meta.pt"
 ZERO1_KEY = "zero1_optimizer_states"
 
 
+def local_path(path: str, what: str) -> Path:
+    """``path`` as a local ``Path``; an fsspec URL (``s3://b/x``) is refused with a clear error.
+
+    ``Path("s3://b/x")`` is ``s3:/b/x``: a silent wrong path. Sharded saves and every load here
+    read and write through the local file system (DCP's ``FileSystemWriter``/``Reader``,
+    ``torch.load``), so a URL is an error; consolidated saves pass the string on to Lightning's
+    checkpoint IO, which writes URLs itself.
+    """
+    scheme, sep, _ = path.partition("://")
+    if sep and scheme not in ("", "file"):
+        from lightning_parallel.errors import config_error
+
+        raise config_error(
+            ValueError,
+            "checkpoint path",
+            path,
+            f"{what} needs a local or mounted file system path (fsspec URLs are written only by consolidated saves)",
+            "save with HybridParallelStrategy(save_distributed_checkpoint=False), or use a mounted path",
+        )
+    return Path(path[len("file://"):] if scheme == "file" else path)
+
+
 def is_sharded_checkpoint(path: Path) -> bool:
     return path.is_dir() and (path / META_FILENAME).is_file()
 

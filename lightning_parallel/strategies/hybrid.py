@@ -15,7 +15,6 @@ ever waits on a collective because of a configuration error.
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Generator
 from datetime import timedelta
 from pathlib import Path
@@ -27,6 +26,7 @@ import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import (
+    _all_gather_ddp_if_available,
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
@@ -74,10 +74,17 @@ from lightning_parallel.strategies.options import as_timedelta, validate_options
 
 
 # A module is parallelised in place once (fully_shard and checkpoint hooks cannot be applied
-# twice); fit then test on one Trainer, or a second Trainer with the same layout, reuse it.
-_PARALLELIZED: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[Any, ...], nn.Module, Any, list[nn.Parameter]]] = (
-    weakref.WeakKeyDictionary()
-)
+# twice); fit then test on one Trainer, or a second Trainer with the same layout, reuse it. The
+# record lives in the module's own ``__dict__`` (not a parameter, buffer or submodule, so not in
+# its state dict): it references the module (through the wrapper and the pipeline driver), and a
+# global ``WeakKeyDictionary`` holding such values keeps every module alive forever; a reference
+# cycle inside the module is freed by the garbage collector with the module.
+_LAYOUT_ATTR = "_lightning_parallel_layout"
+_LayoutRecord = tuple[tuple[Any, ...], nn.Module, Any, list[nn.Parameter]]
+
+
+def _layout_record(module: nn.Module) -> _LayoutRecord | None:
+    return module.__dict__.get(_LAYOUT_ATTR)
 
 
 class _StepWrapper(nn.Module):
@@ -353,7 +360,7 @@ class HybridParallelStrategy(ParallelStrategy):
         ``setup()`` instead, symmetrically on every rank.
         """
         module = self.lightning_module
-        if module is not None and module in _PARALLELIZED:
+        if module is not None and _layout_record(module) is not None:
             return  # laid out by an earlier stage (fit, then test): its plans were checked then
         if self.parallel_dims.ep > 1 and module is not None and any(True for _ in module.parameters()):
             validate_expert_parallel(module, self.parallel_dims.ep)  # no MoE layer, E % ep: before any collective
@@ -391,8 +398,9 @@ class HybridParallelStrategy(ParallelStrategy):
     def _parallelize(self, module: pl.LightningModule) -> nn.Module:
         """Apply the layout once per module; a later setup with the same layout reuses it."""
         signature = self._layout_signature()
-        if module in _PARALLELIZED:
-            previous, root, self._pipeline, self._expert_params = _PARALLELIZED[module]
+        record = _layout_record(module)
+        if record is not None:
+            previous, root, self._pipeline, self._expert_params = record
             if previous != signature:
                 raise RuntimeError(
                     f"This {type(module).__name__} was already parallelised with layout {previous}; it cannot be"
@@ -401,7 +409,7 @@ class HybridParallelStrategy(ParallelStrategy):
                 )
             return root
         root = self._apply_layout(module)
-        _PARALLELIZED[module] = (signature, root, self._pipeline, self._expert_params)
+        module.__dict__[_LAYOUT_ATTR] = (signature, root, self._pipeline, self._expert_params)
         return root
 
     def _apply_layout(self, module: pl.LightningModule) -> nn.Module:
@@ -611,6 +619,13 @@ class HybridParallelStrategy(ParallelStrategy):
         return _sync_ddp_if_available(tensor, group if group is not None else self._data_parallel_group(), reduce_op)
 
     @override
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        """Gather over the data-parallel group by default, like ``reduce``: tensor and pipeline peers
+        hold the same value, so gathering over the world would repeat each sample tp x pp times."""
+        return _all_gather_ddp_if_available(tensor, group=group if group is not None else self._data_parallel_group(),
+                                            sync_grads=sync_grads)
+
+    @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         """Count over the world: ``reduce`` sums over the data-parallel group only, so Lightning's
         default (sum == world size) would be False for every decision under tp or pp."""
@@ -667,16 +682,17 @@ class HybridParallelStrategy(ParallelStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        path = Path(self.broadcast(str(filepath)))
+        target = self.broadcast(str(filepath))
         checkpoint[RNG_KEY] = gather_rng_states()
         if self._save_distributed_checkpoint:
-            ckpt.save_sharded(checkpoint, path, zero1=self._uses_zero_redundancy_optimizer)
-        else:
-            super().save_checkpoint(checkpoint, path, storage_options)
+            ckpt.save_sharded(checkpoint, ckpt.local_path(target, "save_distributed_checkpoint=True"),
+                              zero1=self._uses_zero_redundancy_optimizer)
+        else:  # the string as given: Lightning's checkpoint IO writes fsspec URLs (s3://, gs://) itself
+            super().save_checkpoint(checkpoint, target, storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        path = Path(self.broadcast(str(checkpoint_path)))
+        path = ckpt.local_path(self.broadcast(str(checkpoint_path)), "loading a checkpoint")
         assert self.lightning_module is not None
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         self._resume_skip_pending = fitting
@@ -732,6 +748,9 @@ class HybridParallelStrategy(ParallelStrategy):
         if isinstance(self.model, (DistributedDataParallel, _StepWrapper)):
             self.model = self.lightning_module
         assert self.cluster_environment is not None and self.accelerator is not None
+        # Lightning's ``Strategy.teardown`` minus its ``lightning_module.cpu()`` (as Lightning's own
+        # ModelParallelStrategy): sharded and pipelined parameters stay where their layout put them.
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
+        self.checkpoint_io.teardown()

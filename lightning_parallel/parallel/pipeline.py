@@ -232,8 +232,10 @@ class PipelineRuntime:
         loss_fn: LossFn,
         loss_reduction: Literal["mean", "sum"],
         holders: dict[str, set[int]],
+        used_anywhere: frozenset[int] | None = None,
     ) -> None:
         self.module, self.plan, self.spec, self.group = module, plan, spec, group
+        self._used_anywhere = used_anywhere  # ids of tensors some stage (of any rank) uses; None: all
         self.microbatches, self.microbatch_size = microbatches, microbatch_size
         self.pp_rank = dist.get_rank(group)
         self.stage_indices = plan.stages_for_rank(self.pp_rank)
@@ -277,9 +279,13 @@ class PipelineRuntime:
         after still works: their ``.grad`` stays ``None``, so optimizers skip them), but their
         data becomes an empty tensor on the same device, so moving the module between devices
         stays legal. Their values now live only on their owners: gather from :meth:`owners`
-        before saving a full checkpoint.
+        before saving a full checkpoint. A tensor that no stage of any rank uses (a Hugging
+        Face rotary embedding's ``original_inv_freq``, kept for dynamic rope scaling) stays on
+        every rank: releasing it everywhere would lose it from checkpoints.
         """
         used = {id(t) for s in self.stage_modules() for t in (*s.parameters(), *s.buffers())}
+        if self._used_anywhere is not None:
+            used |= {id(t) for t in (*self.module.parameters(), *self.module.buffers())} - self._used_anywhere
         kept = {t.untyped_storage().data_ptr() for s in self.stage_modules() for t in (*s.parameters(), *s.buffers())}
         released: dict[str, torch.Size] = {}
         with torch.no_grad():
@@ -331,9 +337,10 @@ class PipelineRuntime:
         self._train.step(*args, target=target, return_outputs=False, **kwargs)
         self._sum_shared_grads(params, before)
         self.last_losses = list(self._mb_losses)
-        loss = torch.zeros((), dtype=torch.float32)
+        device = self.stages[0].device  # the device the group's backend serves (NCCL rejects CPU tensors)
+        loss = torch.zeros((), dtype=torch.float32, device=device)
         if self.holds_last:
-            stacked = torch.stack([l.float().cpu() for l in self._mb_losses])
+            stacked = torch.stack([l.detach().float().to(device) for l in self._mb_losses])
             loss = stacked.mean() if self._reduction == "mean" else stacked.sum()
         dist.broadcast(loss, src=self._last_rank, group=self.group)
         return loss
@@ -396,6 +403,7 @@ class TracedPipeline:
     train: Pipe
     eval: Pipe | None
     holders_by_stage: tuple[frozenset[str], ...]
+    used_anywhere: frozenset[int] | None = None  # ids of the module's tensors that some stage uses
 
 
 def trace_pipeline(
@@ -413,15 +421,17 @@ def trace_pipeline(
     evaluation = trace_pipe(module, mb_args, mb_kwargs, plan, training=False) if build_eval else None
     canonical = {id(p): n for n, p in module.named_parameters()}
     holders = []
+    used: set[int] = set()
     for pipe in (train, evaluation):
         for k in range(plan.num_stages if pipe is not None else 0):
             stage_module = pipe.get_stage_module(k)
             hold_unit_tensors(stage_module, module)  # MoE layers are opaque ops: their tensors are not graph inputs
             _adopt_original_tensors(stage_module, module)
             _run_generated_code(stage_module)
+            used.update(id(t) for t in (*stage_module.parameters(), *stage_module.buffers()))
             if pipe is train:
                 holders.append(frozenset(canonical[id(p)] for p in stage_module.parameters()))
-    return TracedPipeline(plan, batch_size_of(mb_args, mb_kwargs), train, evaluation, tuple(holders))
+    return TracedPipeline(plan, batch_size_of(mb_args, mb_kwargs), train, evaluation, tuple(holders), frozenset(used))
 
 
 def build_pipeline(
@@ -473,5 +483,6 @@ def build_pipeline(
     train_stages = [build_stage(traced.train, k, dev, pg) for k in local]
     eval_stages = [build_stage(traced.eval, k, dev, pg) for k in local] if build_eval and traced.eval is not None else None
     return PipelineRuntime(
-        module, plan, schedule, pg, microbatches, traced.microbatch_size, train_stages, eval_stages, loss_fn, loss_reduction, holders
+        module, plan, schedule, pg, microbatches, traced.microbatch_size, train_stages, eval_stages, loss_fn, loss_reduction, holders,
+        traced.used_anywhere,
     )

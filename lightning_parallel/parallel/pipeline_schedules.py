@@ -15,6 +15,7 @@ the first and the last stage share rank 0.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -247,18 +248,62 @@ def batch_size_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
     return int(first_batched(args, kwargs).shape[0])
 
 
-class TracedStage(_PipelineStage):
-    """A traced stage whose start-up handshake skips neighbours on its own rank.
+def _contiguous_meta(meta: Any) -> Any:
+    """The same tensor metadata with row-major strides (what a receive buffer is allocated from)."""
+    if meta is None or not hasattr(meta, "stride"):
+        return meta
+    return dataclasses.replace(meta, stride=torch.empty(meta.shape, device="meta").stride())
 
-    torch's handshake for traced stages sends a dummy tensor to the previous and next stage;
-    in a V schedule two adjacent stages share a rank and gloo cannot send to itself, so the
-    first step crashes. Local neighbours exchange tensors in memory and need no handshake.
+
+def _contiguous_ops(ops: list[dist.P2POp]) -> list[dist.P2POp]:
+    for op in ops:
+        if isinstance(op.tensor, Tensor) and not op.tensor.is_contiguous():
+            op.tensor = op.tensor.contiguous()  # the send's work keeps the copy alive until it completes
+    return ops
+
+
+class TracedStage(_PipelineStage):
+    """A traced stage that sends and receives contiguous tensors, and whose start-up handshake
+    skips neighbours on its own rank.
+
+    * Contiguity: torch allocates receive buffers with the strides the traced example had and
+      sends stage outputs as they are; a Hugging Face model hands non-contiguous tensors across
+      a cut (GPT-2's attention output after ``transpose``, Llama's rotary ``cos``/``sin``), and
+      gloo (like NCCL) sends and receives contiguous memory only ("input tensor has to be
+      contiguous"). The values crossing are the same in any layout, so buffers and sent tensors
+      are made row-major; the receiving graph runs on them unchanged (a contiguous tensor
+      supports every view the traced graph takes).
+    * Handshake: torch's handshake for traced stages sends a dummy tensor to the previous and
+      next stage; in a V schedule two adjacent stages share a rank and gloo cannot send to
+      itself, so the first step crashes. Local neighbours exchange tensors in memory and need
+      no handshake.
     """
 
     def _get_init_p2p_neighbors_ops(self) -> list[dist.P2POp]:
         me = self.group_rank
         ops = super()._get_init_p2p_neighbors_ops()
         return [op for op in ops if op.group_peer != me]
+
+    def _create_act_recv_info(self) -> tuple[Any, ...]:
+        infos = super()._create_act_recv_info()
+        for info in infos:
+            if info.buffer is not None and not info.buffer.is_contiguous():
+                grad = info.buffer.requires_grad
+                info.buffer = torch.empty(info.buffer.shape, dtype=info.buffer.dtype, device=info.buffer.device).requires_grad_(grad)
+                info.tensor_meta = _contiguous_meta(info.tensor_meta)
+        return infos
+
+    def _create_act_send_info(self) -> dict[int, list[Any]]:
+        info = super()._create_act_send_info()
+        # The next stage's gradient for each output arrives in a buffer allocated from these.
+        self._stage_meta.outputs = tuple(_contiguous_meta(m) for m in self._stage_meta.outputs)
+        return info
+
+    def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
+        return _contiguous_ops(super().get_fwd_send_ops(fwd_chunk_id))
+
+    def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
+        return _contiguous_ops(super().get_bwd_send_ops(bwd_chunk_id))
 
 
 def build_stage(pipe: Pipe, index: int, device: torch.device, group: dist.ProcessGroup) -> _PipelineStage:

@@ -15,7 +15,7 @@ ever waits on a collective because of a configuration error.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -70,6 +70,7 @@ from lightning_parallel.strategies.resume import (
     make_resumable,
     restore_rng_state,
 )
+from lightning_parallel.strategies.nonfinite import NonFiniteGuard, NonFiniteMode, validate_nonfinite
 from lightning_parallel.strategies.options import as_timedelta, validate_options
 
 
@@ -132,6 +133,10 @@ class HybridParallelStrategy(ParallelStrategy):
             and replicate across groups (``"auto"``: one group per node).
         ddp_bucket_cap_mb: DDP gradient bucket size; smaller buckets start communicating sooner.
         save_distributed_checkpoint: sharded DCP directory (default) or one consolidated file.
+        on_nonfinite: a non-finite loss or gradient on any rank: ``"error"`` (default) stops every
+            rank together naming the step and the first parameter, ``"skip"`` drops the step on
+            every rank, ``"off"`` does not check (see ``strategies/nonfinite.py``).
+        max_nonfinite_skips: with ``"skip"``, consecutive skipped steps before the run fails.
         timeout: collective timeout (seconds or timedelta): a dead peer fails the step, never hangs it.
         start_method: ``"popen"`` (re-run the script, like torchrun), or ``"spawn"``/``"fork"`` (notebooks,
             Hydra multirun).
@@ -164,6 +169,8 @@ class HybridParallelStrategy(ParallelStrategy):
         ddp_bucket_cap_mb: float = 25.0,
         find_unused_parameters: bool = False,
         save_distributed_checkpoint: bool = True,
+        on_nonfinite: NonFiniteMode = "error",
+        max_nonfinite_skips: int = 3,
         process_group_backend: str | None = None,
         timeout: timedelta | float = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork"] = "popen",
@@ -193,6 +200,7 @@ class HybridParallelStrategy(ParallelStrategy):
             tp_plan=tp_plan,
             loss_parallel=loss_parallel,
         )
+        validate_nonfinite(on_nonfinite, max_nonfinite_skips)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -226,6 +234,7 @@ class HybridParallelStrategy(ParallelStrategy):
         self.ddp_bucket_cap_mb = ddp_bucket_cap_mb
         self.find_unused_parameters = find_unused_parameters
         self._save_distributed_checkpoint = save_distributed_checkpoint
+        self._nonfinite = NonFiniteGuard(on_nonfinite, max_nonfinite_skips)
         self._process_group_backend = process_group_backend
         self._timeout = as_timedelta(timeout)
         self._start_method = start_method
@@ -516,6 +525,23 @@ class HybridParallelStrategy(ParallelStrategy):
             if isinstance(metric, Metric):
                 metric.process_group = group
                 metric.dist_sync_on_step = not pipeline and dims.dp > 1  # nothing to sync over one rank
+
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any | None = None, **kwargs: Any) -> Any:
+        """Run the closure, let every rank agree that its loss and gradients are finite (see
+        ``strategies/nonfinite.py``), then clip and step as Lightning would; a skipped step never
+        reaches the optimizer on any rank."""
+        if not self._nonfinite.active:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        model = model or self.lightning_module
+        result = closure()
+        inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        params = [p for group in inner.param_groups for p in group["params"]]
+        loss = result if isinstance(result, Tensor) else None
+        step = self.lightning_module.trainer.global_step if self.lightning_module is not None else -1
+        if not self._nonfinite.step_is_finite(self.lightning_module, params, loss, step, self.root_device):
+            return None
+        return self.precision_plugin.optimizer_step(optimizer, model=model, closure=lambda: result, **kwargs)
 
     def _install_global_norm_clipping(self) -> None:
         """Route Lightning's norm clipping through the layout-aware global norm."""

@@ -201,6 +201,44 @@ def _run_generated_code(stage_module: nn.Module) -> None:
             sub._run_with_interpreter = False
 
 
+class CheckpointedForward:
+    """A traced block's ``forward`` run through its model's own checkpoint function (recomputed in backward).
+
+    Why: Hugging Face's ``gradient_checkpointing_enable()`` makes each decoder layer call
+    ``torch.utils.checkpoint`` in its ``__call__``; ``torch.export`` traces through it, so the
+    traced layer keeps its activations and the user's memory saving would silently vanish.
+    The traced layer is a pure function of its inputs, so recomputing it is exact.
+    """
+
+    def __init__(self, forward: Callable[..., Any], checkpoint: Callable[..., Any]) -> None:
+        self.inner, self.checkpoint = forward, checkpoint
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return self.inner(*args, **kwargs)
+        return self.checkpoint(self.inner, *args, **kwargs)
+
+
+def checkpointed_blocks(module: nn.Module) -> dict[str, Callable[..., Any]]:
+    """Modules that checkpoint themselves when training (Hugging Face ``GradientCheckpointingLayer``
+    with checkpointing enabled) -> their checkpoint function."""
+    return {
+        name: sub._gradient_checkpointing_func
+        for name, sub in module.named_modules()
+        if getattr(sub, "gradient_checkpointing", False) is True and callable(getattr(sub, "_gradient_checkpointing_func", None))
+    }
+
+
+def _honour_checkpointing(stage_module: nn.Module, blocks: dict[str, Callable[..., Any]]) -> list[str]:
+    """Wrap the stage's traced copies of ``blocks`` in :class:`CheckpointedForward`; return their names."""
+    wrapped = []
+    for name, sub in stage_module.named_modules():
+        if name in blocks and not isinstance(sub.__dict__.get("forward"), CheckpointedForward):
+            sub.forward = CheckpointedForward(sub.forward, blocks[name])  # type: ignore[method-assign]
+            wrapped.append(name)
+    return wrapped
+
+
 def _pp_group(group: dist.ProcessGroup | DeviceMesh | None) -> dist.ProcessGroup:
     if isinstance(group, DeviceMesh):
         if group.ndim != 1:
@@ -420,6 +458,7 @@ def trace_pipeline(
     train = trace_pipe(module, mb_args, mb_kwargs, plan, training=True)
     evaluation = trace_pipe(module, mb_args, mb_kwargs, plan, training=False) if build_eval else None
     canonical = {id(p): n for n, p in module.named_parameters()}
+    checkpointed = checkpointed_blocks(module)
     holders = []
     used: set[int] = set()
     for pipe in (train, evaluation):
@@ -430,6 +469,7 @@ def trace_pipeline(
             _run_generated_code(stage_module)
             used.update(id(t) for t in (*stage_module.parameters(), *stage_module.buffers()))
             if pipe is train:
+                _honour_checkpointing(stage_module, checkpointed)
                 holders.append(frozenset(canonical[id(p)] for p in stage_module.parameters()))
     return TracedPipeline(plan, batch_size_of(mb_args, mb_kwargs), train, evaluation, tuple(holders), frozenset(used))
 

@@ -68,6 +68,7 @@ from lightning_parallel.parallel.pipeline_schedules import (
     schedule_spec,
 )
 from lightning_parallel.strategies.experts import reduce_expert_grads
+from lightning_parallel.strategies.pipeline_entry import Entry, entry_mismatch_error, rebuilt_output, split_kwargs, tracing_forward
 from lightning_parallel.strategies.pipeline_logging import (
     LogCapture,
     LogRecord,
@@ -76,7 +77,7 @@ from lightning_parallel.strategies.pipeline_logging import (
     detached_cpu,
     forward_twice_error,
     patched,
-    probe_forward_inputs,
+    probe_entry_inputs,
     reduce_microbatch_logs,
     replay_logs,
     slice_batch,
@@ -178,6 +179,7 @@ class PipelineDriver:
         self._dp_group = dims.axis(DP).get_group() if dims.dp > 1 else None
         self._last_rank = dist.get_global_rank(self.group, self.config.plan.stages[-1].rank)
         self._runtime: PipelineRuntime | None = None
+        self._entry: Entry | None = None  # the call the stages were traced from (forward or self.<child>)
         self._step: _TrainStep | None = None
         self._stash: list[tuple[nn.Parameter, Tensor]] = []
         self._keepers: dict[str, int] = {}
@@ -201,25 +203,29 @@ class PipelineDriver:
 
     def _build(self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Trace and build the stages from this batch, then free what other stages own."""
-        calls = count_forward_calls(self.module, hook, args, kwargs)
-        if calls > 1:
-            raise forward_twice_error(hook)
-        probe = probe_forward_inputs(self.module, hook, args, kwargs)
+        probe = probe_entry_inputs(self.module, hook, args, kwargs)
         if isinstance(probe, StepDone):
             return  # nothing to trace from this hook; a later one will
-        self._check_batch(hook, probe, traced=None)
+        entry = Entry(probe[0])
+        calls = count_forward_calls(self.module, hook, args, kwargs, entry=entry.name)
+        if calls > 1:
+            raise forward_twice_error(hook, entry.describe())
+        traced_kwargs, _ = split_kwargs(entry, self.module, probe[2])
+        self._check_batch(hook, (probe[1], traced_kwargs), traced=None)
         cfg = self.config
-        self._runtime = build_pipeline(
-            self.module,
-            probe[0],
-            probe[1],
-            plan=cfg.plan,
-            schedule=cfg.spec,
-            microbatches=cfg.microbatches,
-            loss_fn=self._loss,
-            group=self.group,
-            device=self.device,
-        )
+        with tracing_forward(self.module, entry):
+            self._runtime = build_pipeline(
+                self.module,
+                probe[1],
+                traced_kwargs,
+                plan=cfg.plan,
+                schedule=cfg.spec,
+                microbatches=cfg.microbatches,
+                loss_fn=self._loss,
+                group=self.group,
+                device=self.device,
+            )
+        self._entry = entry
         self._runtime.release_non_owned()
         whole = unit_parameter_names(self.module)  # MoE layers' parameters: kept out of tp and ZeRO (see below)
         if self._moe and self.dims.dp > 1:  # balance losses over the global microbatch
@@ -282,13 +288,18 @@ class PipelineDriver:
             )
 
     def _ready(self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | StepDone:
+        """The inputs ``hook`` feeds the pipeline's entry (tracing it on first use), or StepDone."""
         if self._runtime is None:
             self._build(hook, args, kwargs)
-        probe = probe_forward_inputs(self.module, hook, args, kwargs)
-        if not isinstance(probe, StepDone):
-            assert self._runtime is not None, "_build traces whenever the probe finds a forward call"
-            self._check_batch(hook, probe, self._runtime.microbatch_size * self.config.microbatches)
-        return probe
+        probe = probe_entry_inputs(self.module, hook, args, kwargs)
+        if isinstance(probe, StepDone):
+            return probe
+        assert self._runtime is not None and self._entry is not None, "_build traces whenever the probe finds a model call"
+        if probe[0] != self._entry.name:
+            raise entry_mismatch_error(hook, self._entry, Entry(probe[0]).describe())
+        inputs = (probe[1], split_kwargs(self._entry, self.module, probe[2])[0])
+        self._check_batch(hook, inputs, self._runtime.microbatch_size * self.config.microbatches)
+        return inputs
 
     def _broadcast(self, obj: Any) -> Any:
         box = [detached_cpu(obj) if self.runtime.holds_last else None]
@@ -299,14 +310,17 @@ class PipelineDriver:
         """Run the user's ``hook`` with ``forward`` returning ``out`` (the last stage's output)."""
         capture = LogCapture(self.module)
         calls = [0]
+        entry = self._entry
+        assert entry is not None, "the stages are traced before they produce output"
+        rebuilt = rebuilt_output(self.module, entry, out)
 
-        def forward(*_: Any, **__: Any) -> Any:
+        def forward(*a: Any, **k: Any) -> Any:
             calls[0] += 1
             if calls[0] > 1:
-                raise forward_twice_error(hook)
-            return out
+                raise forward_twice_error(hook, entry.describe())
+            return rebuilt(*a, **k)
 
-        with patched(self.module, forward=forward, log=capture):
+        with patched(self.module, log=capture), patched(entry.module(self.module), forward=forward):
             result = getattr(self.module, hook)(*args, **kwargs)
         return result, capture
 
@@ -332,7 +346,7 @@ class PipelineDriver:
         probe = self._ready("training_step", args, kwargs)
         if isinstance(probe, StepDone):
             raise config_error(
-                ValueError, "training_step", "never calls forward", "the pipeline stages are the model's forward; a step that does not call it has nothing to run", "call self(...) in training_step"
+                ValueError, "training_step", "never calls forward", "the pipeline stages are the model's forward; a step that does not call it (or a child module such as self.model) has nothing to run", "call self(...) or self.model(...) in training_step"
             )
         runtime = self.runtime
         accumulate = int(module.trainer.accumulate_grad_batches) if module._trainer is not None else 1

@@ -27,6 +27,7 @@ curve metrics); a state with ``dist_reduce_fx="mean"`` would be averaged with de
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import numbers
@@ -49,9 +50,9 @@ _LOG_SIGNATURE = inspect.signature(LightningModule.log)
 class _ForwardCalled(BaseException):
     """Raised by the probe's ``forward``; a BaseException so a step's ``except Exception`` cannot swallow it."""
 
-    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any], name: str = "") -> None:
         super().__init__()
-        self.args, self.kwargs = args, kwargs
+        self.args, self.kwargs, self.name = args, kwargs, name
 
 
 @dataclass
@@ -88,11 +89,11 @@ def patched(module: nn.Module, **attrs: Callable[..., Any]) -> Iterator[None]:
                 object.__setattr__(module, name, old)
 
 
-def forward_twice_error(hook: str) -> Exception:
+def forward_twice_error(hook: str, what: str = "forward") -> Exception:
     return config_error(
         ValueError,
         f"{hook}",
-        "calls forward more than once",
+        f"calls {what} more than once",
         "a pipeline runs the model's forward once per step: the stages are fed the inputs of the first call "
         "and its output is the only one the last stage produces",
         "call self(...) once per step (concatenate the inputs of several calls into one batch), "
@@ -224,6 +225,29 @@ def probe_forward_inputs(module: nn.Module, hook: str, args: tuple[Any, ...], kw
     return StepDone(result, capture.records)
 
 
+def probe_entry_inputs(module: nn.Module, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str, tuple[Any, ...], dict[str, Any]] | StepDone:
+    """Like :func:`probe_forward_inputs`, but a call of a direct child with parameters (``self.model(...)``)
+    counts too: returns the called module's name (``""`` for ``forward``) and its arguments."""
+    capture = LogCapture(module)
+    children = {name: child for name, child in module.named_children() if any(True for _ in child.parameters())}
+
+    def recorder(name: str) -> Callable[..., Any]:
+        def record(*a: Any, **k: Any) -> Any:
+            raise _ForwardCalled(a, k, name)
+
+        return record
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(patched(module, forward=recorder(""), log=capture))
+        for name, child in children.items():
+            stack.enter_context(patched(child, forward=recorder(name)))
+        try:
+            result = getattr(module, hook)(*args, **kwargs)
+        except _ForwardCalled as called:
+            return called.name, called.args, called.kwargs
+    return StepDone(result, capture.records)
+
+
 def _metric_snapshot(module: nn.Module) -> list[tuple[Metric, dict[str, Any]]]:
     saved = []
     for m in module.modules():
@@ -234,14 +258,16 @@ def _metric_snapshot(module: nn.Module) -> list[tuple[Metric, dict[str, Any]]]:
     return saved
 
 
-def count_forward_calls(module: nn.Module, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
-    """Run ``hook`` for real (no grad, RNG forked, logs muted, metric states restored) and count its forward calls.
+def count_forward_calls(module: nn.Module, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any], entry: str = "") -> int:
+    """Run ``hook`` for real (no grad, RNG forked, logs muted, metric states restored) and count its
+    calls of ``forward`` (of the child ``entry``, when the step calls ``self.<entry>(...)``).
 
     Why: a step that calls forward twice must fail on every rank before any stage sends; only a
     real run reaches the second call. Done once, while every rank still holds every parameter.
     """
     calls = [0]
-    inner = module.forward
+    target = module.get_submodule(entry) if entry else module
+    inner = target.forward
 
     def counting(*a: Any, **k: Any) -> Any:
         calls[0] += 1
@@ -249,7 +275,7 @@ def count_forward_calls(module: nn.Module, hook: str, args: tuple[Any, ...], kwa
 
     saved = _metric_snapshot(module)
     try:
-        with torch.no_grad(), torch.random.fork_rng(), patched(module, forward=counting, log=lambda *a, **k: None):
+        with torch.no_grad(), torch.random.fork_rng(), patched(module, log=lambda *a, **k: None), patched(target, forward=counting):
             getattr(module, hook)(*args, **kwargs)
     finally:
         for metric, state in saved:

@@ -71,7 +71,7 @@ from lightning_parallel.strategies.resume import (
     restore_rng_state,
 )
 from lightning_parallel.strategies.nonfinite import NonFiniteGuard, NonFiniteMode, validate_nonfinite
-from lightning_parallel.strategies.options import as_timedelta, validate_options
+from lightning_parallel.strategies.options import as_timedelta, validate_more_options, validate_options
 
 
 # A module is parallelised in place once (fully_shard and checkpoint hooks cannot be applied
@@ -199,6 +199,17 @@ class HybridParallelStrategy(ParallelStrategy):
             sequence_parallel=sequence_parallel,
             tp_plan=tp_plan,
             loss_parallel=loss_parallel,
+        )
+        validate_more_options(
+            pipeline_schedule=pipeline_schedule,
+            microbatches=microbatches,
+            virtual_stages=virtual_stages,
+            split_points=split_points,
+            moe_coefs={"moe_aux_loss_coef": moe_aux_loss_coef, "moe_z_loss_coef": moe_z_loss_coef},
+            ddp_bucket_cap_mb=ddp_bucket_cap_mb,
+            find_unused_parameters=find_unused_parameters,
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
         )
         validate_nonfinite(on_nonfinite, max_nonfinite_skips)
         super().__init__(

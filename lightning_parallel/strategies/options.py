@@ -12,7 +12,7 @@ from typing import Any
 
 from lightning_parallel.parallel.data_parallel import _DTYPES
 from lightning_parallel.parallel.dims import check_degree
-from lightning_parallel.parallel.errors import config_error
+from lightning_parallel.errors import config_error
 
 MIXED_PRECISION_CHOICES = (None, "32-true", *sorted(k for k in _DTYPES if k.endswith("-mixed")))
 START_METHODS = ("popen", "spawn", "fork")
@@ -74,6 +74,15 @@ def validate_options(
             f"True with zero_stage={zero_stage}",
             "HSDP shards within a replica group, which needs zero_stage 2 or 3",
             "set zero_stage=3 (strategy 'hsdp') or hybrid_shard=False",
+        )
+    replicate = degrees.get("data_parallel_replicate_size", "auto")
+    if replicate != "auto" and not hybrid_shard:
+        raise config_error(
+            ValueError,
+            "data_parallel_replicate_size",
+            f"{replicate} with hybrid_shard=False",
+            "replica groups exist only under hybrid sharding (HSDP); without it every data-parallel rank is its own replica",
+            "set hybrid_shard=True with zero_stage 2 or 3 (strategy 'hsdp'), or leave data_parallel_replicate_size='auto'",
         )
     if mixed_precision not in MIXED_PRECISION_CHOICES:
         raise config_error(
@@ -137,3 +146,70 @@ def as_timedelta(timeout: timedelta | float | int) -> timedelta:
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
         raise config_error(ValueError, "timeout", timeout, "it must be a positive number of seconds or a timedelta", "pass timeout=1800")
     return timedelta(seconds=float(timeout))
+
+
+BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl")
+
+
+def _check_auto_or_positive_int(name: str, value: Any, example: str) -> None:
+    if value == "auto":
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise config_error(TypeError, name, value, 'it must be a positive int or "auto"', f'pass {name}="auto" or e.g. {name}={example}')
+    if value < 1:
+        raise config_error(ValueError, name, value, "it must be at least 1", f'pass {name}="auto" or e.g. {name}={example}')
+
+
+def _check_backend(value: Any) -> None:
+    """``None`` (the device's default), a backend name, or per-device pairs (``"cpu:gloo,cuda:nccl"``)."""
+    if value is None:
+        return
+    fix = 'pass None (gloo on CPU, nccl on CUDA), "gloo", "nccl", or "cpu:gloo,cuda:nccl" for CPU and GPU tensors'
+    if not isinstance(value, str):
+        raise config_error(TypeError, "process_group_backend", value, "it must be a string or None", fix)
+    names = [part.split(":", 1)[-1].strip() for part in value.split(",")]
+    if not all(name in BACKENDS for name in names):
+        raise config_error(ValueError, "process_group_backend", value, f"every backend must be one of {BACKENDS}", fix)
+
+
+def validate_more_options(
+    *,
+    pipeline_schedule: Any,
+    microbatches: Any,
+    virtual_stages: Any,
+    split_points: Any,
+    moe_coefs: dict[str, Any],
+    ddp_bucket_cap_mb: Any,
+    find_unused_parameters: Any,
+    save_distributed_checkpoint: Any,
+    process_group_backend: Any,
+) -> None:
+    """The options that do not depend on the world size and that ``validate_options`` leaves out:
+    checked in ``__init__`` too, so that a typo fails at construction (not when the first batch
+    reaches a pipeline, or never, when no pipeline is used and the option is silently ignored)."""
+    from lightning_parallel.parallel.pipeline_schedules import resolve_virtual_stages, schedule_spec
+
+    spec = schedule_spec(pipeline_schedule)
+    _check_auto_or_positive_int("microbatches", microbatches, "4")
+    _check_auto_or_positive_int("virtual_stages", virtual_stages, "2")
+    resolve_virtual_stages(spec, virtual_stages)
+    if split_points is not None and (
+        isinstance(split_points, str) or not all(isinstance(name, str) and name for name in split_points)
+    ):
+        raise config_error(TypeError, "split_points", split_points, "it must be a list of module names (strings)",
+                           'pass e.g. split_points=["blocks.2"] (the modules that start stages 2, 3, ...)')
+    for name, value in moe_coefs.items():
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise config_error(TypeError, name, value, "it must be a number or None", f"pass e.g. {name}=0.01, 0 to disable, or None")
+        if value < 0:
+            raise config_error(ValueError, name, value, "a loss coefficient cannot be negative", f"pass {name}=0 to disable the loss")
+    if isinstance(ddp_bucket_cap_mb, bool) or not isinstance(ddp_bucket_cap_mb, (int, float)):
+        raise config_error(TypeError, "ddp_bucket_cap_mb", ddp_bucket_cap_mb, "it must be a number of MiB", "pass ddp_bucket_cap_mb=25")
+    if ddp_bucket_cap_mb <= 0:
+        raise config_error(ValueError, "ddp_bucket_cap_mb", ddp_bucket_cap_mb, "a bucket must hold more than 0 MiB", "pass ddp_bucket_cap_mb=25")
+    check_bool("find_unused_parameters", find_unused_parameters)
+    check_bool("save_distributed_checkpoint", save_distributed_checkpoint)
+    _check_backend(process_group_backend)
+

@@ -63,6 +63,7 @@ from lightning_parallel.parallel.tp_plan import TensorParallelPlan, resolve_tp_p
 from lightning_parallel.parallel.zero import shard_optimizer_state
 from lightning_parallel.strategies import checkpoint as ckpt
 from lightning_parallel.strategies.experts import add_moe_losses, apply_experts, reduce_expert_grads
+from lightning_parallel.strategies.layer_sync import apply_layer_sync, check_layer_sync
 from lightning_parallel.strategies.resume import (
     RNG_KEY,
     consumed_batches,
@@ -362,6 +363,7 @@ class HybridParallelStrategy(ParallelStrategy):
         # Validate degrees against the world size before any process waits on another.
         self._dims = self.resolve_dims()
         self._resolve_plans()
+        check_layer_sync(self._layer_sync, self._dims, self.lightning_module)  # Trainer(sync_batchnorm=True)
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
@@ -444,6 +446,7 @@ class HybridParallelStrategy(ParallelStrategy):
                 self._log_tp_plan()
             self._pipeline = PipelineDriver(self, module)
             return module
+        apply_layer_sync(self._layer_sync, module, dims)  # BatchNorm statistics over the dp group
         blocks = find_repeated_blocks(module)
         if dims.tp > 1:
             apply_tensor_parallel(

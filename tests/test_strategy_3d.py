@@ -68,51 +68,66 @@ def _gpt(**overrides: Any) -> GPT:
     return GPT(**{**GPT_KWARGS, **overrides})
 
 
-def test_3d_chooses_the_smallest_model_parallel_degrees() -> None:
-    assert (lambda c: (c.dp, c.tp, c.pp))(choose_3d_degrees(_gpt(), 4, processes_per_node=4)) == (1, 2, 2)
-    assert (lambda c: (c.dp, c.tp, c.pp))(choose_3d_degrees(_gpt(), 8, processes_per_node=8)) == (2, 2, 2)
-    assert (lambda c: (c.dp, c.tp, c.pp))(choose_3d_degrees(_gpt(), 16, processes_per_node=8)) == (4, 2, 2)
+def _degrees(choice: Any) -> tuple[int, ...]:
+    return (choice.dp, choice.tp, choice.pp)
+
+
+def test_3d_chooses_the_planners_fastest_layout_with_model_parallelism() -> None:
+    # '3d' auto = the planner's fastest fitting layout among those with the most model-parallel
+    # axes (parallel/auto_degrees.py). 4 processes: tp2 x pp2 is the only layout with both.
+    assert _degrees(choose_3d_degrees(_gpt(), 4, processes_per_node=4)) == (1, 2, 2)
+    eight = choose_3d_degrees(_gpt(), 8, processes_per_node=8)
+    assert _degrees(eight) == (2, 2, 2)
+    # The choice is the planner's first among its candidates, and it explains the runner-up.
+    assert eight.plan is not None and eight.plan.chosen.layout.tp == 2 and "runner-up" in eight.explain()
+    assert all(p.step_time >= eight.plan.chosen.step_time for p in eight.plan.candidates)
+    assert _degrees(choose_3d_degrees(_gpt(), 16, processes_per_node=8)) == (4, 2, 2)
     # 6 heads, 48 features: tp=2 fits; 12 processes -> tp 2, pp 2, dp 3.
     six = choose_3d_degrees(_gpt(n_head=6, n_embd=48), 12, processes_per_node=12)
-    assert (six.dp, six.tp, six.pp) == (3, 2, 2)
+    assert _degrees(six) == (3, 2, 2)
     # A head count and hidden size that 2 does not divide but 3 does: tp=3.
     three = choose_3d_degrees(_gpt(n_head=3, n_embd=33, vocab_size=63), 6, processes_per_node=6)
-    assert (three.dp, three.tp, three.pp) == (1, 3, 2)
-    assert "tp=2" in three.explain() and "rejected" in three.explain()
+    assert _degrees(three) == (1, 3, 2)
+    assert "tp=2: " in three.explain() and "not divisible by the tensor-parallel size 2" in three.explain()
     # data_parallel_size fixed: the model axes share what it leaves.
     fixed = choose_3d_degrees(_gpt(), 8, processes_per_node=8, data_parallel_size=2)
-    assert (fixed.dp, fixed.tp, fixed.pp) == (2, 2, 2)
+    assert _degrees(fixed) == (2, 2, 2)
 
 
 def test_3d_takes_one_model_axis_where_only_one_fits() -> None:
-    # Two processes: tp2 leaves nothing for a pipeline.
+    # Two processes: one model-parallel axis only (the planner predicts pp2 faster than tp2 on CPU).
     two = choose_3d_degrees(_gpt(), 2, processes_per_node=2)
-    assert (two.dp, two.tp, two.pp) == (1, 2, 1) and "pp=1" in two.explain()
+    assert two.tp * two.pp == 2 and two.dp == 1
+    assert two.plan is not None and {p.layout.tp for p in two.plan.candidates} == {1, 2}  # both were considered
     # 7 heads / 35 features: no tensor-parallel degree divides them; the pipeline takes 2.
     odd = choose_3d_degrees(_gpt(n_head=7, n_embd=35), 8, processes_per_node=8)
-    assert (odd.dp, odd.tp, odd.pp) == (4, 1, 2) and "tp=2: " in odd.explain()
-    # MoE layers (4D): pipeline first, tensor parallel where it leaves two data ranks, the experts
-    # over the data-parallel ranks; a model too shallow for a pipeline falls back to tp x ep.
+    assert _degrees(odd) == (4, 1, 2) and "tp=2: " in odd.explain()
+    # MoE layers (4D): expert parallelism counts as a model-parallel axis; on 4 processes pp2 x dp2 with
+    # ep2 is predicted faster than tp2 x dp2 with ep2 (tensor parallelism leaves the experts whole).
     from lightning_parallel.models import MoEGPT
 
     def moe_gpt(**kw: int) -> MoEGPT:
         return MoEGPT(**{"vocab_size": 64, "block_size": 16, "n_layer": 4, "n_head": 4, "n_embd": 32, "num_experts": 4, **kw})
 
     moe = choose_3d_degrees(moe_gpt(), 4, processes_per_node=4)
-    assert (moe.dp, moe.tp, moe.pp, moe.ep) == (2, 1, 2, 2) and "tp=2: it would leave 1 data-parallel rank" in moe.explain()
+    assert (moe.dp, moe.tp, moe.pp, moe.ep) == (2, 1, 2, 2) and moe.plan is not None
+    assert any(p.layout.tp == 2 and p.layout.ep == 2 and p.step_time > moe.plan.chosen.step_time for p in moe.plan.candidates)
     assert (lambda c: (c.dp, c.tp, c.pp, c.ep))(choose_3d_degrees(moe_gpt(), 8, processes_per_node=8)) == (2, 2, 2, 2)
     assert (lambda c: (c.dp, c.tp, c.pp, c.ep))(choose_3d_degrees(moe_gpt(num_experts=6), 16, processes_per_node=8)) == (4, 2, 2, 2)
-    shallow = choose_3d_degrees(moe_gpt(), 8, processes_per_node=8, virtual_stages=8)  # 16+ stages, 4 blocks
-    assert (shallow.dp, shallow.tp, shallow.pp, shallow.ep) == (4, 2, 1, 4) and "pp=2: " in shallow.explain()
+    # 16+ stages, 4 blocks: no pipeline; tp x ep instead (ep 2 or 4, whichever the planner predicts faster).
+    shallow = choose_3d_degrees(moe_gpt(), 8, processes_per_node=8, pipeline_schedule="interleaved_1f1b", virtual_stages=8)
+    assert (shallow.dp, shallow.tp, shallow.pp) == (4, 2, 1) and shallow.ep in (2, 4) and "more stages than blocks" in shallow.explain()
 
 
 def test_3d_error_lists_the_degrees_tried() -> None:
     # Neither axis fits: no degree divides 7 heads, and 2 processes x 8 virtual stages need 16 blocks.
-    with pytest.raises(ValueError, match=r"tensor- or pipeline-parallel degree.*tp=2: .*35.*tp=4: .*tp=8: .*pp=2: .*HINT"):
-        choose_3d_degrees(_gpt(n_head=7, n_embd=35, n_layer=1), 8, processes_per_node=8, virtual_stages=8)
+    with pytest.raises(ValueError, match=r"tensor-, pipeline- or expert-parallel degree.*more stages than blocks.*tp=2: .*35.*tp=4: .*tp=8: .*HINT"):
+        choose_3d_degrees(_gpt(n_head=7, n_embd=35, n_layer=1), 8, processes_per_node=8, virtual_stages=8,
+                          pipeline_schedule="interleaved_1f1b")
     # Tensor parallelism stays inside a node: 2 processes per node allow tp=2 only.
-    with pytest.raises(ValueError, match=r"tp=2: .*35.*tp=4: more than"):
-        choose_3d_degrees(_gpt(n_head=7, n_embd=35, n_layer=1), 8, processes_per_node=2, virtual_stages=8)
+    with pytest.raises(ValueError, match=r"tp=2: .*35.*tp=4: tensor parallelism stays inside a node \(2 devices per node\)"):
+        choose_3d_degrees(_gpt(n_head=7, n_embd=35, n_layer=1), 8, processes_per_node=2, virtual_stages=8,
+                          pipeline_schedule="interleaved_1f1b")
     with pytest.raises(ValueError, match=r"data_parallel_size.*divide the world size 8"):
         choose_3d_degrees(_gpt(), 8, processes_per_node=8, data_parallel_size=3)
 

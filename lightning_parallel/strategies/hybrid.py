@@ -54,6 +54,7 @@ from lightning_parallel.parallel.blocks import find_repeated_blocks
 from lightning_parallel.parallel.clip import clip_grad_norm_
 from lightning_parallel.parallel.data_parallel import apply_ddp, apply_fsdp, fsdp_modules, mixed_precision_dtype
 from lightning_parallel.parallel.auto_degrees import DegreeChoice, choose_3d_degrees
+from lightning_parallel.strategies.auto_layout import planner_inputs
 from lightning_parallel.parallel.pipeline_schedules import resolve_virtual_stages, schedule_spec
 from lightning_parallel.parallel.dims import DP, EDP, PP_DP, TP, Degree, ParallelDims
 from lightning_parallel.parallel.expert_parallel import validate_expert_parallel
@@ -319,7 +320,7 @@ class HybridParallelStrategy(ParallelStrategy):
         choice = choose_3d_degrees(
             module, world_size, processes_per_node=max(1, self.num_processes),
             data_parallel_size=self._degrees["data_parallel_size"], tp_plan=self.tp_plan,
-            virtual_stages=virtual, split_points=self.split_points,
+            virtual_stages=virtual, split_points=self.split_points, **planner_inputs(self, module),
         )
         rank_zero_info(choice.explain())
         self._degree_choice = (world_size, choice)

@@ -1,0 +1,319 @@
+"""Per-rank memory and step time of one layout: the planner's cost model.
+
+Memory (bytes on the busiest rank): parameters, gradients and optimizer state as the layout
+shards them (tensor split from the tp plan, stage split from the pipeline plan, experts over
+``ep``, ZeRO stage over the data-parallel shard axis, CPU offload), working copies FSDP gathers,
+DDP's gradient buckets, activations of the microbatches a schedule keeps in flight (with or
+without activation checkpointing; Korthikanti et al. 2022, arXiv 2205.05198, section 4: per
+layer ``s b h (10 + 24/t)`` bytes at 16 bits, plus ``5 a s^2 b / t`` where attention keeps its
+scores), and the logits of the last stage.
+
+Step time (seconds, slowest rank): compute from FLOPs (``6 N`` per token for the matmuls the
+rank runs plus ``12 s h`` per token per layer for attention, one more forward under activation
+checkpointing), tensor-parallel all-reduces (4 per layer per microbatch, on the critical path),
+expert all-to-alls, the pipeline bubble of the schedule (``(p - 1) / m`` of the pipelined time,
+``/ v`` interleaved), point-to-point transfers, the data-parallel gradient reduction and ZeRO
+gathers less what overlaps with the backward, the optimizer step (memory-bound) and CPU offload
+transfers. A collective over ``n`` ranks costs ``2 (n-1)/n x bytes / bandwidth + 2 (n-1) x latency``
+(ring all-reduce); the link is NVLink-class inside a node and the NIC across nodes, decided from
+where the group's ranks sit in the mesh order ``pp, dp_replicate, dp_shard, tp``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from lightning_parallel.parallel.hardware import GiB, HardwareProfile
+from lightning_parallel.parallel.planner_model import ModelFacts, RankShare
+
+DTYPE_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+OPTIMIZER_BYTES = {"adam": 8, "adamw": 8, "sgd": 0, "sgd_momentum": 4}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One candidate: every degree and option the strategy takes."""
+
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    pp: int
+    ep: int = 1
+    zero_stage: int = 0
+    activation_checkpointing: bool = False
+    microbatches: int = 1
+    schedule: str = "none"
+    virtual_stages: int = 1
+    cpu_offload: bool = False
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def model_axes(self) -> int:
+        """How many model-parallel axes (tp, pp, ep) are above 1."""
+        return sum(1 for d in (self.tp, self.pp, self.ep) if d > 1)
+
+    def describe(self) -> str:
+        dp = f"dp{self.dp}" if self.dp_replicate == 1 or self.dp_shard == 1 else f"dp{self.dp_replicate}x{self.dp_shard}"
+        parts = [dp, f"tp{self.tp}", f"pp{self.pp}"] + ([f"ep{self.ep}"] if self.ep > 1 else [])
+        text = " x ".join(parts) + f" zero{self.zero_stage}"
+        if self.activation_checkpointing:
+            text += " ac"
+        if self.cpu_offload:
+            text += " offload"
+        if self.pp > 1:
+            text += f" {self.schedule}" + (f" v{self.virtual_stages}" if self.virtual_stages > 1 else "") + f" m{self.microbatches}"
+        return text
+
+    def strategy_kwargs(self) -> dict[str, object]:
+        """The ``HybridParallelStrategy`` keyword arguments that give this layout."""
+        out: dict[str, object] = {
+            "data_parallel_size": self.dp, "tensor_parallel_size": self.tp, "pipeline_parallel_size": self.pp,
+            "expert_parallel_size": self.ep, "zero_stage": self.zero_stage,
+            "activation_checkpointing": self.activation_checkpointing, "cpu_offload": self.cpu_offload,
+        }
+        if self.dp_replicate > 1 and self.dp_shard > 1:
+            out.update(hybrid_shard=True, data_parallel_replicate_size=self.dp_replicate)
+        if self.pp > 1:
+            out.update(pipeline_schedule=self.schedule, microbatches=self.microbatches, virtual_stages=self.virtual_stages)
+        return out
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one optimizer step processes, and in which precision."""
+
+    global_batch: int  # sequences (samples) per optimizer step
+    seq_len: int
+    dtype: str = "bf16"  # compute dtype
+    param_dtype_bytes: int = 4  # master weights
+    grad_bytes: int = 4  # gradients are reduced in fp32
+    optimizer: str = "adamw"
+
+    @property
+    def tokens(self) -> int:
+        return self.global_batch * self.seq_len
+
+
+@dataclass
+class Prediction:
+    """Predicted peak bytes per rank and step seconds, each with its parts (for the table and JSON)."""
+
+    layout: Layout
+    memory: dict[str, float]
+    time: dict[str, float]
+    model_flops: float  # 6N + attention per step, no recompute (MFU convention)
+    world: int
+    tokens: int
+    fits: bool = True
+    reason: str = ""
+    extra: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def peak_bytes(self) -> float:
+        return self.memory["total"]
+
+    @property
+    def step_time(self) -> float:
+        return self.time["total"]
+
+    @property
+    def tflops_per_device(self) -> float:
+        return self.model_flops / self.step_time / self.world / 1e12
+
+    @property
+    def tokens_per_second_per_device(self) -> float:
+        return self.tokens / self.step_time / self.world
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "layout": asdict(self.layout), "describe": self.layout.describe(), "strategy_kwargs": self.layout.strategy_kwargs(),
+            "fits": self.fits, "reason": self.reason, "peak_bytes_per_rank": self.peak_bytes,
+            "peak_gib_per_rank": self.peak_bytes / GiB, "step_time_s": self.step_time,
+            "tokens_per_s_per_device": self.tokens_per_second_per_device, "tflops_per_device": self.tflops_per_device,
+            "memory_bytes": dict(self.memory), "time_s": dict(self.time),
+        }
+
+
+def _ring(nbytes: float, n: int, link: tuple[float, float], factor: float = 2.0) -> float:
+    """All-reduce (``factor=2``) or all-gather / reduce-scatter (``factor=1``) over ``n`` ranks."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    bandwidth, latency = link
+    return factor * (n - 1) / n * nbytes / bandwidth + factor * (n - 1) * latency
+
+
+def inflight(schedule: str, pp: int, m: int, virtual: int, rank: int) -> float:
+    """Microbatches whose activations pipeline rank ``rank`` holds at its peak (units of its layers)."""
+    if pp == 1:
+        return 1.0
+    if schedule == "gpipe":
+        return float(m)
+    if virtual > 1:  # Narayanan et al. 2021, section 2.2.2: p (1 + (p - 1) / (p v)) on the first rank
+        return float(min(m, pp - rank) + (pp - 1 - rank) / virtual)
+    return float(min(m, pp - rank))
+
+
+def bubble_factor(schedule: str, pp: int, m: int, virtual: int) -> float:
+    """Pipelined time over ideal time: ``(m + (p - 1) / v) / m``."""
+    if pp == 1:
+        return 1.0
+    return (m + (pp - 1) / max(1, virtual)) / m
+
+
+def layer_activation_elements(facts: ModelFacts, tokens: int, seq: int, tp: int, scores: bool) -> float:
+    """Activation elements one block keeps for backward, for ``tokens`` tokens of sequences of ``seq``."""
+    h, a = facts.hidden, facts.heads
+    replicated = 5.0 * tokens * h  # norm inputs, residual adds, dropout masks
+    qkv = 1.0 + 2.0 * facts.kv_heads / a
+    sharded = tokens * (h * (qkv + 1.0 + 1.0) + facts.mlp_mats * facts.ffn)
+    score = 2.5 * a * seq * tokens if scores else 0.0
+    return replicated + (sharded + score) / tp
+
+
+def predict(facts: ModelFacts, layout: Layout, shares: list[RankShare], work: Workload, hw: HardwareProfile) -> Prediction:
+    """Memory and time of ``layout`` (see the module docstring); ``shares`` from ``facts.shares(...)``."""
+    L = layout
+    cb = DTYPE_BYTES[work.dtype]
+    opt_bytes = OPTIMIZER_BYTES.get(work.optimizer, 8)
+    per_dp_batch = work.global_batch // L.dp
+    m = L.microbatches if L.pp > 1 else 1
+    mb_tokens = per_dp_batch // m * work.seq_len
+    dpn = hw.devices_per_node
+    tp_link = hw.link(L.tp > dpn)
+    dp_link = hw.link(L.tp * L.dp > dpn)
+    shard_link = hw.link(L.tp * L.dp_shard > dpn)
+    ep_link = hw.link(L.tp * L.ep > dpn)
+    pp_link = hw.link(L.tp * L.dp >= dpn)
+    top_frac = facts.top_k / max(facts.expert_counts) if facts.is_moe else 0.0
+
+    worst_mem: dict[str, float] = {"total": -1.0}
+    worst_time: dict[str, float] = {"compute": 0.0}
+    worst_rank_compute = 0.0
+    # The busiest ranks: the first (most microbatches in flight), the last (logits), the ones
+    # holding or computing most; evaluating these is exact for the maximum and keeps the search fast.
+    picks = {0, len(shares) - 1, max(range(len(shares)), key=lambda i: shares[i].params),
+             max(range(len(shares)), key=lambda i: shares[i].matmul_params + shares[i].expert_params)}
+    for r in sorted(picks):
+        share = shares[r]
+        params = share.params - share.expert_params + share.expert_params / L.ep
+        shard = L.dp_shard if L.zero_stage >= 2 else 1
+        grads = params * work.grad_bytes / shard
+        optim = params * opt_bytes / (L.dp if L.zero_stage >= 1 else 1)
+        stored_params = params * work.param_dtype_bytes / (shard if L.zero_stage == 3 else 1)
+        per_block = share.params / max(1, share.layers) if share.layers else share.params
+        if L.zero_stage == 3:
+            working = 2 * per_block * cb  # the gathered unit and the one prefetched
+        elif L.zero_stage == 2:
+            working = params * cb  # unsharded after forward until the step ends
+        else:
+            working = 0.0
+        if L.cpu_offload:
+            grads = optim = stored_params = 0.0
+        buffers = params * work.grad_bytes if L.zero_stage == 0 and L.dp > 1 else 0.0  # DDP buckets
+        layer_act = layer_activation_elements(facts, mb_tokens, work.seq_len, L.tp, hw.attention_scores_stored) * cb
+        held = inflight(L.schedule, L.pp, m, L.virtual_stages, r)
+        if L.activation_checkpointing:
+            acts = share.layers * held * mb_tokens * facts.hidden * cb + layer_act
+        else:
+            acts = share.layers * held * layer_act
+        logits = mb_tokens * facts.vocab * (cb + 4) if share.last else 0.0
+        mem = {
+            "params": stored_params, "grads": grads, "optimizer": optim, "gathered_params": working,
+            "comm_buffers": buffers, "activations": acts, "logits": logits, "reserved": float(hw.reserved_bytes),
+        }
+        mem["total"] = sum(mem.values())
+        mem["model_state"] = stored_params + grads + optim
+        if mem["total"] > worst_mem["total"]:
+            worst_mem = mem
+
+        # ---- time of this pipeline rank for the whole step (all its microbatches)
+        tokens_rank = per_dp_batch * work.seq_len
+        flops = 6.0 * tokens_rank * share.matmul_params + 6.0 * tokens_rank * share.expert_params * top_frac
+        flops += 12.0 * tokens_rank * work.seq_len * facts.hidden * share.layers / L.tp
+        if L.activation_checkpointing:
+            flops *= 4.0 / 3.0
+        compute = flops / hw.flops(work.dtype)
+        kernels = share.layers * m * (40 if not L.activation_checkpointing else 55) + (10 if share.last else 0) * m
+        compute += kernels * hw.kernel_overhead
+        if L.tp > 1:  # DTensor dispatch per sharded op (about 10 per block forward, twice that backward)
+            compute += share.layers * m * (30 if not L.activation_checkpointing else 40) * hw.tp_op_overhead
+        act_msg = mb_tokens * facts.hidden * cb
+        per_layer_ar = 4 + (2 if L.activation_checkpointing else 0)
+        tp_comm = share.layers * m * per_layer_ar * _ring(act_msg, L.tp, tp_link)
+        if share.last and L.tp > 1:
+            tp_comm += m * _ring(mb_tokens * facts.vocab * cb, L.tp, tp_link, factor=1.0)
+        ep_comm = share.moe_layers * m * 4 * _ring(act_msg * facts.top_k, L.ep, ep_link, factor=0.5) if L.ep > 1 else 0.0
+        rank_time = compute + tp_comm + ep_comm
+        if rank_time > worst_rank_compute:
+            worst_rank_compute = rank_time
+            worst_time = {"compute": compute, "tp_comm": tp_comm, "ep_comm": ep_comm, "_params": params}
+    params = worst_time.pop("_params", 0.0)
+    bubble = bubble_factor(L.schedule, L.pp, m, L.virtual_stages)
+    pipelined = worst_rank_compute * bubble
+    p2p = 0.0
+    if L.pp > 1:
+        p2p = 2 * m * L.virtual_stages * (mb_tokens * facts.hidden * cb / L.tp / pp_link[0] + pp_link[1])
+    # ---- data-parallel reduction and ZeRO gathers, less what hides under the backward
+    # Collectives are issued per bucket (DDP, 25 MB) or per FSDP unit (a block, plus the root):
+    # their latencies add up, and each FSDP unit costs hooks and copies on top.
+    grad_msg = params * work.grad_bytes
+    layers = max(s.layers for s in shares)
+    units = layers + 1
+    if L.zero_stage <= 1:
+        buckets = max(1, int(-(-grad_msg // 25e6)))
+        dp_comm = _ring(grad_msg, L.dp, dp_link) + (buckets - 1) * 2 * (L.dp - 1) * dp_link[1] * (L.dp > 1)
+        if L.zero_stage == 1 and L.dp > 1:
+            dp_comm += _ring(params * work.param_dtype_bytes, L.dp, dp_link, factor=1.0)  # updated shards re-gathered
+    else:
+        gathers = 2 * m if L.zero_stage == 3 else 1
+        dp_comm = _ring(grad_msg, L.dp_shard, shard_link, factor=1.0)
+        dp_comm += gathers * _ring(params * cb, L.dp_shard, shard_link, factor=1.0)
+        dp_comm += _ring(grad_msg / L.dp_shard, L.dp_replicate, dp_link)
+        per_unit = (1 + gathers) * (L.dp_shard - 1) * shard_link[1] + (1 + gathers) * 10 * hw.kernel_overhead
+        dp_comm += (units - 1) * per_unit
+    backward = worst_time["compute"] * 2.0 / 3.0
+    window = backward / m if L.pp > 1 else backward
+    if L.zero_stage == 3:
+        window = worst_time["compute"]
+    exposed_dp = max(0.0, dp_comm - window) + (dp_link[1] * 2 if L.dp > 1 else 0.0)
+    opt_params = params / (L.dp if L.zero_stage >= 1 else 1)
+    optimizer = opt_params * 28 / hw.memory_bandwidth
+    offload = 0.0
+    if L.cpu_offload:
+        shard_params = params / max(1, L.dp_shard)
+        offload = shard_params * (cb + work.grad_bytes) / hw.host_bandwidth + shard_params * 28 / 50e9
+        offload += units * 2 * (hw.inter_latency + 10 * hw.kernel_overhead)  # copies in and out per unit
+        optimizer = 0.0
+    time = {
+        "compute": worst_time["compute"], "tp_comm": worst_time["tp_comm"], "ep_comm": worst_time["ep_comm"],
+        "pipeline_bubble": pipelined - worst_rank_compute, "pp_p2p": p2p, "dp_comm_exposed": exposed_dp,
+        "dp_comm_total": dp_comm, "optimizer": optimizer, "cpu_offload": offload,
+    }
+    time["total"] = pipelined + p2p + exposed_dp + optimizer + offload
+    model_flops = 6.0 * work.tokens * (facts_matmul(facts) + facts_expert_active(facts)) + 12.0 * work.tokens * work.seq_len * facts.hidden * facts.n_blocks
+    return Prediction(layout=L, memory=worst_mem, time=time, model_flops=model_flops, world=L.world, tokens=work.tokens)
+
+
+def facts_matmul(facts: ModelFacts) -> float:
+    """Linear weights a forward runs once per token (dense part; the LM head included)."""
+    if "_matmul" not in facts.__dict__:
+        shares = facts.shares(1, 1, 1, "single")
+        assert not isinstance(shares, str)
+        facts.__dict__["_matmul"] = shares[0].matmul_params
+        facts.__dict__["_expert"] = shares[0].expert_params
+    return facts.__dict__["_matmul"]
+
+
+def facts_expert_active(facts: ModelFacts) -> float:
+    facts_matmul(facts)
+    return facts.__dict__["_expert"] * (facts.top_k / max(facts.expert_counts) if facts.is_moe else 0.0)
+
+
+__all__ = ["DTYPE_BYTES", "Layout", "Prediction", "Workload", "bubble_factor", "inflight", "predict"]

@@ -1,0 +1,81 @@
+"""What ``HybridParallelStrategy`` tells the layout planner when ``3d`` leaves the degrees "auto".
+
+The planner itself (:mod:`lightning_parallel.parallel.planner`) is pure torch; this is the Lightning
+side: which hardware profile the accelerator is, the compute dtype the Trainer's precision
+means, the options the user fixed, and the engine's own rules (a layout the strategy would refuse,
+e.g. ZeRO-1 with tensor parallelism or activation checkpointing inside pipeline stages, is
+rejected with the strategy's own message, not chosen and then refused).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_parallel.parallel.hardware import get_profile, profile_for_device
+from lightning_parallel.parallel.planner_cost import Layout
+
+
+def _compute_dtype(strategy: Any) -> str:
+    precision = str(getattr(strategy.precision_plugin, "precision", "") or "") + " " + str(strategy.mixed_precision or "")
+    if "bf16" in precision:
+        return "bf16"
+    if "16" in precision.replace("32", ""):
+        return "fp16"
+    return "fp32"
+
+
+def engine_check(strategy: Any, module: nn.Module) -> Any:
+    """A ``Layout -> reason | None`` callable with the strategy's validation rules for that layout."""
+    from lightning_parallel.strategies.options import validate_options
+    from lightning_parallel.strategies.pipeline_driver import resolve_pipeline_config
+
+    def check(layout: Layout) -> str | None:
+        degrees = {
+            "data_parallel_size": layout.dp, "tensor_parallel_size": layout.tp, "pipeline_parallel_size": layout.pp,
+            "expert_parallel_size": layout.ep, "data_parallel_replicate_size": strategy._degrees["data_parallel_replicate_size"],
+        }
+        try:
+            validate_options(
+                degrees=degrees, zero_stage=strategy.zero_stage, cpu_offload=strategy.cpu_offload,
+                mixed_precision=strategy.mixed_precision, activation_checkpointing=strategy.activation_checkpointing,
+                hybrid_shard=strategy.hybrid_shard, start_method=strategy._start_method, strict_plan=strategy.strict_plan,
+                sequence_parallel=strategy.sequence_parallel, tp_plan=strategy.tp_plan, loss_parallel=strategy.loss_parallel,
+            )
+            if layout.pp > 1:
+                resolve_pipeline_config(
+                    module, layout.pp, strategy.pipeline_schedule, layout.microbatches, strategy.virtual_stages,
+                    strategy.split_points, zero_stage=strategy.zero_stage, tp=layout.tp, mixed_precision=strategy.mixed_precision,
+                    activation_checkpointing=strategy.activation_checkpointing, sequence_parallel=strategy.sequence_parallel,
+                    loss_parallel=strategy.loss_parallel, cpu_offload=strategy.cpu_offload,
+                )
+        except (ValueError, TypeError) as error:
+            return "the strategy refuses it: " + str(error).strip().splitlines()[0].split(". HINT:", 1)[0][:240]
+        return None
+
+    return check
+
+
+def planner_inputs(strategy: Any, module: nn.Module) -> dict[str, Any]:
+    """Keyword arguments for :func:`~lightning_parallel.parallel.auto_degrees.choose_3d_degrees`."""
+    devices = strategy.parallel_devices or []
+    device = devices[0] if devices else torch.device("cpu")
+    profile = profile_for_device(device) if device.type == "cuda" else get_profile("cpu")
+    return {
+        "expert_parallel_size": strategy._degrees["expert_parallel_size"],
+        "pipeline_schedule": strategy.pipeline_schedule,
+        "microbatches": strategy.microbatches,
+        "zero_stage": strategy.zero_stage,
+        "activation_checkpointing": strategy.activation_checkpointing,
+        "cpu_offload": strategy.cpu_offload,
+        "hybrid_shard": strategy.hybrid_shard,
+        "hardware": profile,
+        "device_memory": profile.memory_bytes,
+        "dtype": _compute_dtype(strategy),
+        "check": engine_check(strategy, module),
+    }
+
+
+__all__ = ["engine_check", "planner_inputs"]

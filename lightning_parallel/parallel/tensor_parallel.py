@@ -62,12 +62,16 @@ from lightning_parallel.parallel.tp_attention import (
     install_region,
     slice_output_hook,
 )
+from lightning_parallel.parallel.tp_experts import apply_experts_tensor_parallel
+from lightning_parallel.parallel.tp_fused import Conv1DRowwiseParallel, FusedColwiseParallel, is_conv1d
 from lightning_parallel.parallel.tp_loss import install_sharded_head
 from lightning_parallel.parallel.tp_plan import (
     COLWISE,
     COLWISE_GATHER,
     EMBEDDING_ROWWISE,
+    EXPERTS,
     ROWWISE,
+    ROWWISE_SPLIT_INPUT,
     TensorParallelPlan,
 )
 
@@ -143,29 +147,53 @@ def _sharded_heads(plan: TensorParallelPlan) -> list[str]:
     return [name for name in plan.lm_heads if plan.styles.get(name) == COLWISE_GATHER]
 
 
-def _styles(plan: TensorParallelPlan, sequence_parallel: bool, loss_parallel: bool = False) -> dict[str, ParallelStyle]:
-    """One torch ``ParallelStyle`` per planned module."""
+def _colwise(module: nn.Module, split_factor: int, **kwargs: object) -> ParallelStyle:
+    """torch's ``ColwiseParallel`` where it applies, the fused/Conv1D variant elsewhere."""
+    if split_factor > 1 or is_conv1d(module):
+        return FusedColwiseParallel(split_factor=split_factor, **kwargs)  # type: ignore[arg-type]
+    return ColwiseParallel(**kwargs)  # type: ignore[arg-type]
+
+
+def _rowwise(module: nn.Module, **kwargs: object) -> ParallelStyle:
+    return (Conv1DRowwiseParallel if is_conv1d(module) else RowwiseParallel)(**kwargs)  # type: ignore[arg-type]
+
+
+def _styles(
+    plan: TensorParallelPlan, sequence_parallel: bool, loss_parallel: bool = False, module: nn.Module | None = None
+) -> dict[str, ParallelStyle]:
+    """One torch ``ParallelStyle`` per planned module (experts modules are split separately).
+
+    ``module`` (the root the plan was resolved on) tells ``Conv1D`` apart from ``nn.Linear``;
+    without it every linear is taken for an ``nn.Linear``.
+    """
     sp = sequence_parallel
     regions = set(plan.regions)
     stream = Shard(1) if sp else Replicate()
     out: dict[str, ParallelStyle] = {}
     for name, style in plan.styles.items():
         in_region = _parent(name) in regions
+        mod = module.get_submodule(name) if module is not None else nn.Linear(1, 1)
+        packed = plan.packed.get(name, 1)
         if style == COLWISE:
             # In a region the output stays a DTensor (global shapes for the user's reshapes).
-            out[name] = ColwiseParallel(use_local_output=not in_region)
+            out[name] = _colwise(mod, packed, use_local_output=not in_region)
         elif style == ROWWISE:
-            out[name] = RowwiseParallel(output_layouts=stream if in_region else Replicate())
+            out[name] = _rowwise(mod, output_layouts=stream if in_region else Replicate())
+        elif style == ROWWISE_SPLIT_INPUT:
+            # Hugging Face's "rowwise_split_input": the input arrives whole and is sliced here.
+            out[name] = _rowwise(mod, input_layouts=Replicate(), output_layouts=stream if in_region else Replicate())
         elif style == COLWISE_GATHER:
             reads_stream = sp and name in plan.lm_heads
             inputs = Shard(1) if reads_stream else Replicate()
             if loss_parallel and name in plan.lm_heads:  # vocabulary-sharded DTensor; tp_loss decides per call
-                out[name] = ColwiseParallel(input_layouts=inputs, output_layouts=Shard(-1), use_local_output=False)
+                out[name] = _colwise(mod, packed, input_layouts=inputs, output_layouts=Shard(-1), use_local_output=False)
             else:
-                out[name] = ColwiseParallel(input_layouts=inputs, output_layouts=Replicate())
+                out[name] = _colwise(mod, packed, input_layouts=inputs, output_layouts=Replicate())
         elif style == EMBEDDING_ROWWISE:
             writes_stream = sp and name in plan.stream_embeddings
             out[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1) if writes_stream else Replicate())
+        elif style == EXPERTS:
+            continue
         else:  # pragma: no cover - resolve_tp_plan only stores sharding styles here
             raise AssertionError(f"unexpected style {style!r} for {name}")
     if sp:
@@ -205,9 +233,12 @@ def apply_tensor_parallel(
     are used. Build the optimizer after this call: the parameters are new DTensor objects.
     """
     check_tensor_parallel(module, tp_mesh, plan, sequence_parallel, loss_parallel)
-    styles = _styles(plan, sequence_parallel, loss_parallel)
+    styles = _styles(plan, sequence_parallel, loss_parallel, module)
     ties = _ties(module, set(styles))
     parallelize_module(module, tp_mesh, styles)
+    for name, style in plan.styles.items():
+        if style == EXPERTS:
+            apply_experts_tensor_parallel(module.get_submodule(name), tp_mesh)
     for group in ties:  # parallelize_module distributes each owner separately: tie them again
         first_mod, first_local = group[0]
         shared = getattr(module.get_submodule(first_mod), first_local)

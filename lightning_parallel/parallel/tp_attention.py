@@ -31,6 +31,7 @@ import contextlib
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -41,6 +42,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_parallel.parallel.errors import config_error
+from lightning_parallel.parallel.tp_fused import split_packed
 
 
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -94,6 +96,23 @@ def local_sdpa(args: tuple, kwargs: dict) -> Tensor | None:
     return DTensor.from_local(out, mesh, [Shard(1)], run_check=False)
 
 
+_CAT = frozenset({torch.cat, torch.concat, torch.concatenate})
+
+
+def _without_legacy_empty(tensors: list | tuple) -> list | tuple:
+    """``torch.cat`` skips 1-D empty plain tensors (its legacy rule); DTensor's ``cat`` does not.
+
+    Hugging Face's ``DynamicCache`` (on by default, ``use_cache=True``, also in training) starts
+    each layer with ``torch.tensor([])`` and concatenates the new keys/values to it along dim -2:
+    with DTensor keys the empty tensor became a replicated 1-D DTensor and the cat failed with
+    "Dimension out of range". Dropping exactly what ``torch.cat`` ignores keeps its semantics.
+    """
+    if not any(isinstance(t, DTensor) for t in tensors):
+        return tensors
+    kept = [t for t in tensors if isinstance(t, DTensor) or not (isinstance(t, Tensor) and t.ndim == 1 and t.numel() == 0)]
+    return kept if len(kept) != len(tensors) else tensors
+
+
 class ReplicateMixedMode(TorchFunctionMode):
     """Wrap plain tensors as replicated DTensors whenever a call also receives a DTensor.
 
@@ -103,6 +122,11 @@ class ReplicateMixedMode(TorchFunctionMode):
 
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if func in _CAT and args and isinstance(args[0], (list, tuple)):
+            args = (_without_legacy_empty(args[0]), *args[1:])
+        pieces = split_packed(func, args, kwargs)  # [q | k | v] of a packed projection: its parts, still split
+        if pieces is not None:
+            return pieces
         if func is F.scaled_dot_product_attention:
             out = local_sdpa(args, kwargs)
             if out is not None:

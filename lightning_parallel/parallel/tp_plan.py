@@ -25,28 +25,46 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from lightning_parallel.parallel.errors import config_error
+from lightning_parallel.parallel.tp_experts import experts_layout
+from lightning_parallel.parallel.tp_fused import colwise_dims, features, is_conv1d, is_linear_like, rowwise_dims
 from lightning_parallel.parallel.tp_infer import Structure, analyse, head_counts
 
 COLWISE = "colwise"
 ROWWISE = "rowwise"
 COLWISE_GATHER = "colwise_gather_output"
 EMBEDDING_ROWWISE = "embedding_rowwise"
+ROWWISE_SPLIT_INPUT = "rowwise_split_input"
+PACKED_COLWISE = "packed_colwise"
+EXPERTS = "moe_tp_experts"
 SEQUENCE_PARALLEL = "sequence_parallel"
 REPLICATE = "replicate"
-STYLES = (COLWISE, ROWWISE, COLWISE_GATHER, EMBEDDING_ROWWISE, SEQUENCE_PARALLEL, REPLICATE)
-SHARDING_STYLES = (COLWISE, ROWWISE, COLWISE_GATHER, EMBEDDING_ROWWISE)
+STYLES = (COLWISE, ROWWISE, COLWISE_GATHER, EMBEDDING_ROWWISE, ROWWISE_SPLIT_INPUT, PACKED_COLWISE, EXPERTS,
+          SEQUENCE_PARALLEL, REPLICATE)
+# What a plan stores per module (``packed_colwise`` is stored as ``colwise`` plus ``plan.packed``).
+SHARDING_STYLES = (COLWISE, ROWWISE, COLWISE_GATHER, EMBEDDING_ROWWISE, ROWWISE_SPLIT_INPUT, EXPERTS)
 STYLE_ALIASES = {
-    # Hugging Face names. Their "local_*" variants leave shapes to the model code; here every
-    # sharded layer keeps global shapes inside its block, so they mean the same thing.
+    # Hugging Face names (transformers 5 ``base_model_tp_plan`` values and older ones). Their
+    # "local_*" variants leave shapes to the model code; here every sharded layer keeps global
+    # shapes inside its block, so they mean the same thing. "rowwise_rep" in transformers 5 is a
+    # row-parallel layer reading a replicated input (it slices it), as "rowwise_split_input".
     "colwise_rep": COLWISE_GATHER,
     "gather_output": COLWISE_GATHER,
-    "rowwise_rep": ROWWISE,
+    "rowwise_rep": ROWWISE_SPLIT_INPUT,
     "local_colwise": COLWISE,
     "local_rowwise": ROWWISE,
     "vocab_parallel": EMBEDDING_ROWWISE,
     "replicated": REPLICATE,
+    # Every rank keeps the whole parameter; its gradient is the same on every rank here (the
+    # replicated module reads replicated inputs), so HF's extra all-reduce has nothing to add.
+    "replicated_with_grad_allreduce": REPLICATE,
 }
-_LINEAR_STYLES = (COLWISE, ROWWISE, COLWISE_GATHER)
+# Hugging Face styles with no counterpart here (transformers 5): the modules they name fall back
+# to the inferred plan, with a note in the plan's warnings.
+UNSUPPORTED_HF_STYLES = ("embedding_colwise", "mla_kv_a_proj", "all_reduce", "moe_identity_expert", "local_params",
+                         "packed_rowwise")
+_LINEAR_STYLES = (COLWISE, ROWWISE, COLWISE_GATHER, ROWWISE_SPLIT_INPUT, PACKED_COLWISE)
+_COLUMN_STYLES = (COLWISE, COLWISE_GATHER)
+_ROW_STYLES = (ROWWISE, ROWWISE_SPLIT_INPUT)
 
 
 def canonical_style(style: object, *, where: str) -> str:
@@ -87,6 +105,9 @@ class TensorParallelPlan:
     total_params: int
     sharded_params: int
     warnings: tuple[str, ...] = field(default_factory=tuple)
+    # Column-parallel modules whose output packs n equal parts ([q | k | v], [gate | up]): their
+    # weights are sharded ``_StridedShard(dim, n)`` so each rank holds its slice of every part.
+    packed: dict[str, int] = field(default_factory=dict)
 
     @property
     def fraction_sharded(self) -> float:
@@ -125,12 +146,42 @@ def fold_layer_index(name: str) -> str:
 
 
 def sharded_dims(style: str, param_name: str) -> int | None:
-    """The tensor dim a style splits for a parameter of its module (None: replicated)."""
+    """The tensor dim a style splits for a parameter of an ``nn.Linear``/``nn.Embedding``/experts
+    module (None: replicated). For any module type use :func:`param_shard`."""
     if style in (COLWISE, COLWISE_GATHER, EMBEDDING_ROWWISE):
         return 0
-    if style == ROWWISE:
+    if style in _ROW_STYLES:
         return 1 if param_name == "weight" else None
+    if style == EXPERTS:
+        return {"gate_up_proj": 1, "down_proj": 2}.get(param_name)
     return None
+
+
+def param_shard(plan_styles: dict[str, str], packed: dict[str, int], module: nn.Module, mod_name: str,
+                param_name: str) -> tuple[int, int] | None:
+    """(dim, split factor) a plan splits a parameter along (None: replicated), for any module type.
+
+    Split factor 1 is a plain ``Shard(dim)``; ``n > 1`` is ``_StridedShard(dim, n)`` (a packed
+    output, or the experts' ``[gate | up]``). ``Conv1D`` stores its weight transposed.
+    """
+    style = plan_styles.get(mod_name, REPLICATE)
+    if style in (COLWISE, COLWISE_GATHER) and is_conv1d(module):
+        dim = colwise_dims(module).get(param_name)
+        return None if dim is None else (dim, packed.get(mod_name, 1))
+    if style in _ROW_STYLES and is_conv1d(module):
+        dim = rowwise_dims(module).get(param_name)
+        return None if dim is None else (dim, 1)
+    dim = sharded_dims(style, param_name)
+    if dim is None:
+        return None
+    if style == EXPERTS:
+        return dim, 2 if param_name == "gate_up_proj" else 1
+    return dim, packed.get(mod_name, 1) if style in _COLUMN_STYLES else 1
+
+
+def plan_param_shard(plan: TensorParallelPlan, module: nn.Module, mod_name: str, param_name: str) -> tuple[int, int] | None:
+    """:func:`param_shard` for a resolved plan; ``module`` is the root the plan was resolved on."""
+    return param_shard(plan.styles, plan.packed, module.get_submodule(mod_name), mod_name, param_name)
 
 
 def _owned_params(module: nn.Module) -> list[tuple[str, str, nn.Parameter]]:
@@ -155,7 +206,8 @@ def tp_param_bytes(module: nn.Module, plan: TensorParallelPlan, tp_size: int | N
     sharded = replicated = full = 0
     per_module: dict[str, int] = {}
     for mod_name, local, param in _owned_params(module):
-        dim = sharded_dims(plan.style_of(mod_name), local)
+        shard = plan_param_shard(plan, module, mod_name, local)
+        dim = None if shard is None else shard[0]
         nbytes = param.numel() * param.element_size()
         full += nbytes
         if dim is None or tp == 1:
@@ -215,25 +267,55 @@ def declared_plan(module: nn.Module) -> dict[str, str]:
     return plan
 
 
-def _styles_from_globs(module: nn.Module, globs: dict[str, str], *, user: bool, notes: list[str]) -> dict[str, str]:
-    """Expand glob -> style into FQN -> canonical style; user mistakes raise, declared ones warn."""
+def _fits(style: str, mod: nn.Module) -> bool:
+    if style in _LINEAR_STYLES:
+        return is_linear_like(mod)
+    if style == EMBEDDING_ROWWISE:
+        return isinstance(mod, nn.Embedding)
+    if style == EXPERTS:
+        return experts_layout(mod) is not None
+    return style in (SEQUENCE_PARALLEL, REPLICATE)
+
+
+def _styles_from_globs(
+    module: nn.Module, globs: dict[str, str], *, user: bool, notes: list[str], packed: dict[str, int]
+) -> tuple[dict[str, str], set[str]]:
+    """Expand glob -> style into FQN -> canonical style; user mistakes raise, declared ones warn.
+
+    Returns the styles and every module a declared entry named (also the ones it could not
+    style), so the inferred plan does not fill in what the model's own plan spoke about.
+    ``packed_colwise`` becomes ``colwise`` with split factor 2 in ``packed``. A declared entry
+    naming a *parameter* of an experts module (HF writes ``experts.gate_up_proj: packed_colwise``
+    next to ``experts: moe_tp_experts``) is part of that module's style.
+    """
     modules = dict(module.named_modules())
     names = [n for n in modules if n]
+    params = {n for n, _ in module.named_parameters()}
     styles: dict[str, str] = {}
+    named: set[str] = set()
     ordered = sorted(globs.items(), key=lambda kv: kv[0] in modules)  # exact names applied last
     for pattern, raw_style in ordered:
         where = f"tp_plan[{pattern!r}]"
         if not isinstance(pattern, str):
             raise config_error(TypeError, "tp_plan", pattern, "plan keys are module-name globs (str)", "use e.g. 'layers.*.mlp.up_proj'")
+        matched = [n for n in names if _glob_match(pattern, n)]
+        if not user and isinstance(raw_style, str) and raw_style.strip().lower() in UNSUPPORTED_HF_STYLES:
+            named.update(matched)
+            if matched:
+                notes.append(f"declared plan entry {pattern!r}: Hugging Face style {raw_style!r} has no counterpart here; "
+                             "its modules follow the inferred plan")
+            continue
         try:
             style = canonical_style(raw_style, where=where)
         except (TypeError, ValueError):
             if user:
                 raise
-            notes.append(f"declared plan entry {pattern!r}: style {raw_style!r} is not supported; module left replicated")
+            named.update(matched)
+            notes.append(f"declared plan entry {pattern!r}: style {raw_style!r} is not supported; its modules follow the inferred plan")
             continue
-        matched = [n for n in names if _glob_match(pattern, n)]
         if not matched:
+            if not user and any(_glob_match(pattern, n) for n in params):
+                continue  # a parameter of an experts module: its module's moe_tp_experts entry covers it
             if user:
                 close = difflib.get_close_matches(pattern, _generalised(names), n=5, cutoff=0.5)
                 raise config_error(
@@ -244,34 +326,36 @@ def _styles_from_globs(module: nn.Module, globs: dict[str, str], *, user: bool, 
             continue
         for name in matched:
             mod = modules[name]
-            if style == ROWWISE and isinstance(mod, nn.Embedding):
-                style_here = EMBEDDING_ROWWISE
-            else:
-                style_here = style
-            ok = (
-                (style_here in _LINEAR_STYLES and isinstance(mod, nn.Linear))
-                or (style_here == EMBEDDING_ROWWISE and isinstance(mod, nn.Embedding))
-                or style_here in (SEQUENCE_PARALLEL, REPLICATE)
-            )
-            if not ok:
-                msg = f"style {style_here!r} needs an nn.Linear (colwise/rowwise) or nn.Embedding (embedding_rowwise), got {type(mod).__name__}"
+            named.add(name)
+            style_here = EMBEDDING_ROWWISE if style == ROWWISE and isinstance(mod, nn.Embedding) else style
+            if not _fits(style_here, mod):
+                msg = (f"style {style_here!r} needs an nn.Linear or Conv1D (colwise/rowwise), an nn.Embedding "
+                       f"(embedding_rowwise) or a Hugging Face experts module (moe_tp_experts), got {type(mod).__name__}")
                 if user:
                     raise config_error(ValueError, where, name, msg, "choose a style that fits the module type, or 'replicate'")
                 notes.append(f"declared plan: module {name!r}: {msg}; left replicated")
                 continue
+            if style_here == PACKED_COLWISE:
+                style_here = COLWISE
+                packed[name] = 2
             styles[name] = style_here
-    return styles
+    return styles, named
 
 
-def _divisibility(module: nn.Module, name: str, style: str, tp: int) -> list[tuple[str, int]]:
+def _divisibility(module: nn.Module, name: str, style: str, tp: int, packed: dict[str, int]) -> list[tuple[str, int]]:
     """(what, size) pairs that must divide by ``tp`` for ``style`` on module ``name``."""
     mod = module.get_submodule(name)
-    if style in (COLWISE, COLWISE_GATHER):
-        return [("out_features", mod.out_features)]
-    if style == ROWWISE:
-        return [("in_features", mod.in_features)]
+    if style in _COLUMN_STYLES:
+        n = packed.get(name, 1)
+        out = features(mod)[1]
+        return [("out_features", out)] if n == 1 else [(f"out_features per packed part ({n} parts)", out // n)]
+    if style in _ROW_STYLES:
+        return [("in_features", features(mod)[0])]
     if style == EMBEDDING_ROWWISE:
         return [("vocabulary size (num_embeddings)", mod.num_embeddings)]
+    if style == EXPERTS:
+        layout = experts_layout(mod)
+        return [("expert intermediate size", layout[2])] if layout else []
     return []
 
 
@@ -281,14 +365,14 @@ def _parent(name: str) -> str:
 
 def _finalise(
     module: nn.Module, tp: int, source: str, styles: dict[str, str], groups: dict[str, list[str]],
-    reasons: dict[str, str], structure: Structure, strict: bool, notes: list[str],
+    reasons: dict[str, str], structure: Structure, strict: bool, notes: list[str], packed: dict[str, int],
 ) -> TensorParallelPlan:
     """Check divisibility per group (drop or raise), count parameters, build the plan."""
     all_modules = dict(module.named_modules())
     for group_key, members in groups.items():
         checks: list[tuple[str, str, int]] = []
         for name in members:
-            checks += [(name, what, size) for what, size in _divisibility(module, name, styles[name], tp)]
+            checks += [(name, what, size) for what, size in _divisibility(module, name, styles[name], tp, packed)]
         parent = all_modules.get(group_key)
         if parent is not None and any(styles[m] in (COLWISE, ROWWISE) for m in members):
             heads, kv_heads = head_counts(parent)
@@ -311,43 +395,89 @@ def _finalise(
         warnings.warn(msg, UserWarning, stacklevel=3)
         for name in members:
             styles.pop(name, None)
+            packed.pop(name, None)
             reasons[name] = f"{what} {size} % tp {tp} != 0"
     # Tied weights must be split the same way (embedding rowwise and a gathered head both split dim 0).
-    by_param: dict[int, list[str]] = {}
+    by_param: dict[int, list[tuple[str, str]]] = {}
     for mod_name, mod in module.named_modules():
-        for _, p in mod.named_parameters(recurse=False):
-            by_param.setdefault(id(p), []).append(mod_name)
+        for local, p in mod.named_parameters(recurse=False):
+            by_param.setdefault(id(p), []).append((mod_name, local))
     for owners in by_param.values():
-        kinds = {sharded_dims(styles.get(o, REPLICATE), "weight") for o in owners}
+        kinds = {param_shard(styles, packed, all_modules[o], o, local) for o, local in owners}
         if len(owners) > 1 and len(kinds) > 1:
-            for o in owners:
+            for o, _ in owners:
                 if o in styles:
                     styles.pop(o)
-                    reasons[o] = f"weight tied to {', '.join(x for x in owners if x != o)} which is split differently"
+                    reasons[o] = f"weight tied to {', '.join(x for x, _ in owners if x != o)} which is split differently"
     total = sharded = 0
     replicated: dict[str, str] = {}
     for mod_name, local, param in _owned_params(module):
         total += param.numel()
-        if mod_name in styles and sharded_dims(styles[mod_name], local) is not None:
+        if mod_name in styles and param_shard(styles, packed, all_modules[mod_name], mod_name, local) is not None:
             sharded += param.numel()
         elif mod_name not in styles:
             replicated[mod_name] = reasons.get(mod_name) or structure.reason(mod_name)
-    regions = sorted({_parent(n) for n, s in styles.items() if s == ROWWISE})
+    regions = sorted({_parent(n) for n, s in styles.items() if s in _ROW_STYLES})
     return TensorParallelPlan(
         tp_size=tp, source=source, styles=styles, replicated=replicated, regions=tuple(regions),
         norms=structure.norms, stream_embeddings=structure.stream_embeddings, lm_heads=structure.lm_heads,
         blocks=structure.blocks, total_params=total, sharded_params=sharded, warnings=tuple(notes),
+        packed={n: f for n, f in packed.items() if n in styles},
     )
 
 
 def inferred_styles(structure: Structure) -> dict[str, str]:
-    """The inferred plan: pairs column/row-parallel, the vocabulary split, heads gathered."""
+    """The inferred plan: pairs column/row-parallel, the vocabulary split, heads gathered, experts split."""
     kinds = {n: COLWISE for n in structure.column} | {n: ROWWISE for n in structure.row}
     if structure.vocab_embedding is not None:
         kinds[structure.vocab_embedding] = EMBEDDING_ROWWISE
     kinds.update({h: COLWISE_GATHER for h in structure.lm_heads})
+    kinds.update({e: EXPERTS for e in structure.experts})
     # In group order (layer by layer, q/k/v before o), which is the order the table prints.
     return {m: kinds[m] for members in structure.groups.values() for m in members if m in kinds}
+
+
+def _inferred_groups(structure: Structure, styles: dict[str, str]) -> dict[str, list[str]]:
+    return {key: [m for m in members if m in styles] for key, members in structure.groups.items()}
+
+
+def _declared_groups(styles: dict[str, str]) -> dict[str, list[str]]:
+    groups: dict[str, list[str]] = {}
+    for name in styles:
+        groups.setdefault(_parent(name) if styles[name] in (COLWISE, ROWWISE, ROWWISE_SPLIT_INPUT) else name, []).append(name)
+    return groups
+
+
+def _gather_unpaired(styles: dict[str, str], notes: list[str]) -> None:
+    """A column-parallel layer with no row-parallel sibling gathers its output.
+
+    Its split output would otherwise reach code written for the whole one (a replicated
+    projection, a residual add): a half-applied declared plan (one member's style unsupported)
+    or a user plan naming only the first layer of a pair. Gathering is always correct.
+    """
+    with_rows = {_parent(n) for n, s in styles.items() if s in _ROW_STYLES}
+    for name, style in list(styles.items()):
+        if style == COLWISE and _parent(name) not in with_rows:
+            styles[name] = COLWISE_GATHER
+            notes.append(f"module {name!r}: colwise with no row-parallel layer beside it; its output is gathered")
+
+
+def _no_split_error(module: nn.Module, tp: int, plan: TensorParallelPlan) -> ValueError:
+    """The plan splits nothing: name the biggest modules and why they cannot be split."""
+    sizes: dict[str, int] = {}
+    for mod_name, _, param in _owned_params(module):
+        sizes[mod_name] = sizes.get(mod_name, 0) + param.numel()
+    biggest = sorted(sizes, key=lambda n: -sizes[n])[:4]
+    kinds = sorted({type(module.get_submodule(n)).__name__ for n in sizes})
+    listed = ", ".join(f"`{n}` ({type(module.get_submodule(n)).__name__}: {plan.replicated.get(n, 'replicated')})" for n in biggest)
+    return config_error(
+        ValueError, "tensor_parallel_size", tp,
+        f"tensor parallelism finds nothing to split in {type(module).__name__}: no attention or MLP projection pair "
+        f"(nn.Linear/Conv1D), vocabulary embedding or experts module; convolutions and batch norms have no "
+        f"tensor-parallel plan here (module types: {kinds[:8]}). Largest modules: {listed}",
+        "use a data-parallel strategy for this model (strategy='dp' or 'zero3'), or give tp_plan={...} naming "
+        "nn.Linear/nn.Embedding modules to split",
+    )
 
 
 def resolve_tp_plan(
@@ -357,8 +487,13 @@ def resolve_tp_plan(
 
     Needs no process group and reads only shapes, so it runs on a meta-device model and before
     any collective. Raises a ValueError/TypeError for a bad user plan (unknown module, with
-    close matches; unknown style; style that does not fit the module type) and, with
-    ``strict``, for any size not divisible by ``tp_size``.
+    close matches; unknown style; style that does not fit the module type), for a model in which
+    nothing can be split (``tp_size > 1``), and, with ``strict``, for any size not divisible by
+    ``tp_size``.
+
+    A declared (Hugging Face) plan is completed by the inferred one, group by group: an inferred
+    group none of whose modules the declared plan names (a shared expert the model's plan does
+    not reach, a module whose declared style has no counterpart here) is added whole.
     """
     if isinstance(tp_size, bool) or not isinstance(tp_size, int):
         raise config_error(TypeError, "tensor_parallel_size", tp_size, "must be an int", "pass e.g. tensor_parallel_size=2")
@@ -369,24 +504,39 @@ def resolve_tp_plan(
     structure = analyse(module)
     notes: list[str] = []
     reasons: dict[str, str] = {}
+    packed: dict[str, int] = {}
     declared = declared_plan(module) if not user_plan else {}
     if user_plan:
         source = "user"
-        styles = _styles_from_globs(module, dict(user_plan), user=True, notes=notes)
+        styles, _ = _styles_from_globs(module, dict(user_plan), user=True, notes=notes, packed=packed)
     elif declared:
         source = "declared"
-        styles = _styles_from_globs(module, declared, user=False, notes=notes)
+        styles, named = _styles_from_globs(module, declared, user=False, notes=notes, packed=packed)
+        inferred = inferred_styles(structure)
+        added: list[str] = []
+        for members in _inferred_groups(structure, inferred).values():
+            if members and not any(m in named or m in styles for m in members):
+                styles.update({m: inferred[m] for m in members})
+                packed.update({m: structure.packed[m] for m in members if m in structure.packed})
+                added += members
+        if added:
+            source = "declared+inferred"
+            notes.append(f"the declared plan does not reach {len(added)} module(s) the inferred plan splits "
+                         f"(e.g. {_generalised(added)[:3]}); they follow the inferred plan")
     else:
         source = "inferred"
         styles = inferred_styles(structure)
+        packed.update({m: f for m, f in structure.packed.items() if m in styles})
     for name in [n for n, s in styles.items() if s not in SHARDING_STYLES]:
         reasons[name] = "replicate (plan)" if styles[name] == REPLICATE else "norm: sequence-sharded under sequence_parallel"
         if styles.pop(name) == SEQUENCE_PARALLEL and name not in structure.norms:
             structure.norms = tuple(structure.norms) + (name,)
+    _gather_unpaired(styles, notes)
     if source == "inferred":
-        groups = {key: [m for m in members if m in styles] for key, members in structure.groups.items()}
+        groups = _inferred_groups(structure, styles)
     else:
-        groups = {}
-        for name in styles:
-            groups.setdefault(_parent(name) if styles[name] in (COLWISE, ROWWISE) else name, []).append(name)
-    return _finalise(module, tp_size, source, styles, groups, reasons, structure, strict, notes)
+        groups = _declared_groups(styles)
+    plan = _finalise(module, tp_size, source, styles, groups, reasons, structure, strict, notes, packed)
+    if tp_size > 1 and plan.total_params and plan.sharded_params == 0 and source != "user":
+        raise _no_split_error(module, tp_size, plan)
+    return plan

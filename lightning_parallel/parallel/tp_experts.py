@@ -1,0 +1,122 @@
+"""Tensor parallelism inside Hugging Face mixture-of-experts modules: every expert split over tp.
+
+Hugging Face (transformers 5) stores a layer's experts as two 3-D parameters of one module
+(``MixtralExperts``, ``Qwen2MoeExperts``, ``OlmoeExperts``, ...): ``gate_up_proj`` of shape
+``(E, 2*I, H)`` (gate rows, then up rows) and ``down_proj`` of shape ``(E, H, I)``, and its
+forward loops over the experts with ``F.linear`` and ``chunk(2, -1)``. Their own plan names this
+``moe_tp_experts`` (with ``packed_colwise`` on ``gate_up_proj`` and ``rowwise`` on ``down_proj``).
+
+The Megatron split applies per expert: each rank keeps ``I / tp`` intermediate features of every
+expert. ``gate_up_proj`` is packed (``[gate | up]``), so it is sharded ``_StridedShard(1, 2)``
+(rank ``r`` holds ``[gate_r | up_r]`` and the expert's own ``chunk(2, -1)`` splits it right);
+``down_proj`` is ``Shard(2)``. The forward runs on the *local* parameters (the expert loop
+indexes, gathers and ``index_add_``s, which DTensor would gather), its partial output is summed
+over the tp ranks (all-reduce forward), and the gradients of the replicated inputs (hidden
+states, routing weights) are summed in the backward: each rank's input gradient is only its
+features' share. Parameters stay DTensors with full-model semantics, so ``state_dict``,
+clipping and checkpoints see the true global tensors.
+
+The router stays replicated (it is small and its top-k must agree on every rank).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from lightning_parallel.parallel.errors import config_error
+
+
+def experts_layout(module: nn.Module) -> tuple[int, int, int] | None:
+    """(experts E, hidden H, intermediate I) of a Hugging Face experts module in the layout above, else None."""
+    params = dict(module.named_parameters(recurse=False))
+    gate_up, down = params.get("gate_up_proj"), params.get("down_proj")
+    if set(params) != {"gate_up_proj", "down_proj"} or gate_up is None or down is None:
+        return None
+    if gate_up.ndim != 3 or down.ndim != 3 or getattr(module, "is_transposed", False):
+        return None
+    e, two_i, h = gate_up.shape
+    if two_i % 2 or tuple(down.shape) != (e, h, two_i // 2):
+        return None
+    return e, h, two_i // 2
+
+
+def experts_reason(module: nn.Module) -> str | None:
+    """Why ``module`` (a module owning 3-D expert parameters) cannot be split, or None if it can."""
+    if experts_layout(module) is not None:
+        return None
+    names = [f"{n}{tuple(p.shape)}" for n, p in module.named_parameters(recurse=False)]
+    return (
+        f"experts parameters {names} are not the (E, 2*I, H) gate_up_proj + (E, H, I) down_proj layout "
+        "this tensor-parallel split knows"
+    )
+
+
+def expert_placements() -> dict[str, Placement]:
+    """Parameter name -> placement on the tensor-parallel mesh (see the module doc)."""
+    return {"gate_up_proj": _StridedShard(1, split_factor=2), "down_proj": Shard(2)}
+
+
+def _sum_grad(x: Any, mesh: DeviceMesh) -> Any:
+    """Identity forward; the backward all-reduces the gradient (each rank holds a partial one)."""
+    if not isinstance(x, Tensor) or not x.is_floating_point():
+        return x
+    return DTensor.from_local(x, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+
+
+class ExpertsForward:
+    """Replaces an experts module's ``forward``: local expert shards, outputs summed over tp."""
+
+    def __init__(self, module: nn.Module, mesh: DeviceMesh) -> None:
+        self.module = module
+        self.original = type(module).forward
+        self.mesh = mesh
+
+    def _run_local(self, args: tuple, kwargs: dict) -> Any:
+        """The class's own forward with each DTensor parameter swapped for its local shard.
+
+        Not ``torch.func.functional_call``: it calls ``module(...)``, which would re-enter this
+        wrapper. The swap is undone even if the forward raises; ``to_local`` is differentiable,
+        so the gradients reach the DTensor parameters in their own placements.
+        """
+        module = self.module
+        saved = {n: p for n, p in module._parameters.items() if isinstance(p, DTensor)}
+        try:
+            for name, param in saved.items():
+                del module._parameters[name]
+                object.__setattr__(module, name, param.to_local())  # an attribute, not a parameter
+            return self.original(module, *args, **kwargs)
+        finally:
+            for name, param in saved.items():
+                module.__dict__.pop(name, None)
+                module._parameters[name] = param
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        mesh = self.mesh
+        args = tuple(_sum_grad(a, mesh) for a in args)
+        kwargs = {k: _sum_grad(v, mesh) for k, v in kwargs.items()}
+        out = self._run_local(args, kwargs)
+        if not isinstance(out, Tensor):
+            raise config_error(
+                TypeError, "moe_tp_experts", type(self.module).__name__,
+                f"the experts forward returned {type(out).__name__}, expected one tensor of partial outputs",
+                "keep this module replicated with tp_plan={'<name>': 'replicate'}",
+            )
+        return DTensor.from_local(out, mesh, [Partial()], run_check=False).redistribute(mesh, [Replicate()]).to_local()
+
+
+def apply_experts_tensor_parallel(module: nn.Module, mesh: DeviceMesh) -> None:
+    """Split ``module`` (a Hugging Face experts module, see :func:`experts_layout`) over ``mesh`` in place."""
+    placements = expert_placements()
+    for name, param in list(module.named_parameters(recurse=False)):
+        module.register_parameter(name, nn.Parameter(
+            distribute_tensor(param, mesh, [placements[name]]), requires_grad=param.requires_grad,
+        ))
+    module.forward = ExpertsForward(module, mesh)  # type: ignore[method-assign]
+
+
+__all__ = ["ExpertsForward", "apply_experts_tensor_parallel", "expert_placements", "experts_layout", "experts_reason"]

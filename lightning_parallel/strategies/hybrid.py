@@ -58,6 +58,7 @@ from lightning_parallel.strategies.auto_layout import planner_inputs
 from lightning_parallel.parallel.pipeline_schedules import resolve_virtual_stages, schedule_spec
 from lightning_parallel.parallel.dims import DP, EDP, PP_DP, TP, Degree, ParallelDims
 from lightning_parallel.parallel.expert_parallel import validate_expert_parallel
+from lightning_parallel.parallel.materialize import RngSnapshot, has_meta_tensors, materialize_meta_module, move_real_tensors
 from lightning_parallel.parallel.tensor_parallel import apply_tensor_parallel
 from lightning_parallel.parallel.tp_loss import sharded_logits_step
 from lightning_parallel.parallel.tp_plan import TensorParallelPlan, resolve_tp_plan
@@ -445,6 +446,7 @@ class HybridParallelStrategy(ParallelStrategy):
             # tensor parallelism is applied to the traced stages then (parallel/pipeline_tp.py).
             if dims.tp > 1:
                 self._log_tp_plan()
+            self._materialize(module)  # meta-built model: whole on every rank for now, before tracing
             self._pipeline = PipelineDriver(self, module)
             return module
         apply_layer_sync(self._layer_sync, module, dims)  # BatchNorm statistics over the dp group
@@ -469,7 +471,9 @@ class HybridParallelStrategy(ParallelStrategy):
                 cpu_offload=self.cpu_offload,
                 own_meshes=[(m, dims.axis(EDP)) for m in experts.values()],
             )
+            self._materialize(root)  # meta-built model: each rank allocates and initialises its shards only
             return root
+        self._materialize(module)  # DDP broadcasts real tensors; tp / ep parameters are DTensor shards already
         if dims.dp > 1:
             if self._expert_params:  # averaged over edp by reduce_expert_grads, not by DDP over dp
                 names = [n for n, p in module.named_parameters() if any(p is q for q in self._expert_params)]
@@ -574,7 +578,37 @@ class HybridParallelStrategy(ParallelStrategy):
     @override
     def model_to_device(self) -> None:
         assert self.model is not None
-        self.model.to(self.root_device)
+        if has_meta_tensors(self.model):  # built on the meta device: materialised after the layout
+            move_real_tensors(self.model, self.root_device)
+        else:
+            self.model.to(self.root_device)
+
+    @contextlib.contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """``Trainer.init_module(empty_init=True)`` builds the model on the meta device (as Lightning's
+        ModelParallelStrategy does); set-up applies the layout to the meta parameters, then each rank
+        allocates and initialises only what it holds, from the random state recorded here, so the
+        values are those of an eager build (see :mod:`lightning_parallel.parallel.materialize`)."""
+        if not empty_init:
+            with super().tensor_init_context(empty_init):
+                yield
+            return
+        self._meta_rng = RngSnapshot.capture(self.root_device)
+        with torch.device("meta"), self.precision_plugin.tensor_init_context():
+            yield
+
+    def _materialize(self, module: nn.Module) -> None:
+        """Allocate and initialise this rank's part of a meta-built model (no-op otherwise; no collective)."""
+        if not has_meta_tensors(module):
+            return
+        device = torch.device("cpu") if self.cpu_offload else self.root_device  # FSDP2 offload keeps shards on the CPU
+        report = materialize_meta_module(module, device, getattr(self, "_meta_rng", None), buffer_device=self.root_device)
+        self._meta_report = report  # for the monitor and the tests: what this rank holds, the largest temporary
+        rank_zero_info(
+            f"Materialised the meta-device model: {report.local_bytes / 2**20:.1f} MiB held on rank 0, largest"
+            f" initialisation temporary {report.peak_temporary_bytes / 2**20:.1f} MiB"
+        )
 
     # ------------------------------------------------------------------ steps
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:

@@ -161,7 +161,8 @@ def _first_error_line(message: str) -> str:
     lines = message.splitlines()
     for i, line in enumerate(lines):
         if line.startswith("--- rank") and "failed" in line:
-            body = [x for x in lines[i + 1:] if x and not x.startswith("--- rank")]
+            end = next((j for j in range(i + 1, len(lines)) if lines[j].startswith("--- rank")), len(lines))
+            body = [x for x in lines[i + 1:end] if x]
             for candidate in body:
                 if candidate.startswith("RuntimeError: cell "):
                     return candidate.split(": ", 2)[-1]

@@ -4,8 +4,9 @@ A covering subset of the coverage matrix (``python -m lightning_parallel.coverag
 it): every real model of ``lightning_parallel.testing.real_models`` at least once, every
 strategy of this file at least once, and the ways HF users write a model: the loss from
 ``labels=`` inside the model, ``attention_mask`` with padding, HF's own
-``gradient_checkpointing_enable()`` under ZeRO-3, and GPT-2's tied ``lm_head``/``wte`` under
-ZeRO-3 (a broken tie would show up as a second parameter name). Parity as everywhere: per-step
+``gradient_checkpointing_enable()`` under ZeRO-3, ``Trainer(sync_batchnorm=True)`` under ZeRO-2
+and HSDP, and GPT-2's tied ``lm_head``/``wte`` under ZeRO-3 (a broken tie would show up as a
+second parameter name). Parity as everywhere: per-step
 losses and final parameters of one process on the same global batch, fp32, rel 1e-5, five
 steps, gradient clipping active.
 
@@ -113,7 +114,7 @@ def test_real_models_under_data_and_expert_parallel_presets_match_one_process() 
 
 
 def test_real_models_under_hsdp_on_four_ranks_match_one_process() -> None:
-    cases = [("vit hsdp", dataclasses.replace(_vision("vit", "hsdp"), devices=4)),
+    cases = [("resnet18 hsdp sync_batchnorm", dataclasses.replace(_vision("resnet18", "hsdp", sync_batchnorm=True), devices=4)),
              ("mixtral hsdp", dataclasses.replace(_lm("mixtral", "hsdp"), devices=4))]
     results = run_distributed(run_fits, 4, [spec for _, spec in cases], init_backend=None, timeout=600)
     for i, (label, spec) in enumerate(cases):

@@ -40,7 +40,7 @@ import torch
 from torch import Tensor, fx, nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.optim import Optimizer
@@ -145,11 +145,71 @@ def retarget_calls(module: nn.Module, targets: dict[Any, Any]) -> int:
                 node.target = targets[node.target]
                 count += 1
         if count:
-            if isinstance(sub, fx.GraphModule):
-                sub.recompile()
-            elif callable(getattr(sub, "finalize", None)):  # torch.export's InterpreterModule
-                sub.finalize()
+            _recompile(sub)
         changed += count
+    return changed
+
+
+def _recompile(sub: nn.Module) -> None:
+    if isinstance(sub, fx.GraphModule):
+        sub.recompile()
+    elif callable(getattr(sub, "finalize", None)):  # torch.export's InterpreterModule
+        sub.finalize()
+
+
+def drop_metadata_asserts(module: nn.Module) -> int:
+    """Remove the ``aten._assert_tensor_metadata`` checks ``torch.export`` records for ``.to(dtype)``
+    calls (Hugging Face norms and rotary embeddings); return how many.
+
+    Why: they check what the trace already fixed and return nothing, and DTensor has no sharding
+    rule for them, so a tensor-parallel stage would fail on the first one.
+    """
+    dropped = 0
+    for sub in module.modules():
+        graph = getattr(sub, "graph", None)
+        if not isinstance(graph, fx.Graph):
+            continue
+        asserts = [n for n in graph.nodes if n.op == "call_function" and n.target is torch.ops.aten._assert_tensor_metadata.default and not n.users]
+        for node in asserts:
+            graph.erase_node(node)
+        if asserts:
+            _recompile(sub)
+        dropped += len(asserts)
+    return dropped
+
+
+def _reduced(x: Any) -> Any:
+    """A pending (``Partial``) DTensor reduced to replicated; anything else as it is."""
+    if isinstance(x, DTensor) and any(p.is_partial() for p in x.placements):
+        replicate = [Replicate()] * x.device_mesh.ndim
+        # Through a local tensor: the gradient arriving here may itself be a pending sum, which
+        # redistribute's backward cannot turn into the embedding's masked partial; from_local's
+        # backward first makes it replicated, as a module's output hook does in eager tensor parallelism.
+        return DTensor.from_local(x.redistribute(x.device_mesh, replicate).to_local(), x.device_mesh, replicate, run_check=False)
+    return x
+
+
+def reduce_embedding_outputs(module: nn.Module) -> int:
+    """Reduce every traced ``aten.embedding`` output right where it is computed; return how many.
+
+    Why: a vocabulary-parallel embedding yields a masked partial sum whose mask lives only until
+    the next op; ``ColwiseParallel``/``RowwiseParallel`` modules reduce it in their output hook,
+    but a traced graph has no hooks, and a Hugging Face model's next op (``.to(float32)`` in the
+    first norm) would carry the partial on without its mask. Replicated embeddings pass unchanged.
+    """
+    changed = 0
+    for sub in module.modules():
+        graph = getattr(sub, "graph", None)
+        if not isinstance(graph, fx.Graph):
+            continue
+        nodes = [n for n in graph.nodes if n.op == "call_function" and n.target is torch.ops.aten.embedding.default]
+        for node in nodes:
+            with graph.inserting_after(node):
+                reduced = graph.call_function(_reduced, (node,))
+            node.replace_all_uses_with(reduced, delete_user_cb=lambda user, r=reduced: user is not r)
+        if nodes:
+            _recompile(sub)
+        changed += len(nodes)
     return changed
 
 
@@ -200,6 +260,8 @@ def apply_stage_tensor_parallel(
     for stage_module in stage_modules:
         if not isinstance(stage_module.__dict__.get("forward"), TensorParallelStageForward):
             views_to_reshapes(stage_module)
+            drop_metadata_asserts(stage_module)
+            reduce_embedding_outputs(stage_module)
             stage_module.forward = TensorParallelStageForward(stage_module, tp_mesh)  # type: ignore[method-assign]
     return dict(replaced.values())
 
@@ -232,4 +294,5 @@ __all__ = [
     "retarget_calls",
     "swap_optimizer_parameters",
     "views_to_reshapes",
+    "drop_metadata_asserts",
 ]

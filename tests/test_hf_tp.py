@@ -98,11 +98,15 @@ def test_hf_gpt2_dp2_tp2_matches_single_process() -> None:
     """GPT-2 (packed ``_StridedShard`` c_attn, Conv1D, tied head) under FSDP2 over dp x tp. Without
     padding: with it, HF's ``labels=`` loss is a mean over each data-parallel rank's own non-pad
     tokens, which differs from one process's mean over the global batch whatever tp does."""
-    label, spec = "dp2xtp2 gpt2 labels", _hf("gpt2", "labels")
-    strategy = {"class": HYBRID, "tensor_parallel_size": 2, "data_parallel_size": 2}
-    result = run_distributed(fits_or_errors, 4, [dataclasses.replace(spec, strategy=strategy, devices=4)],
-                             init_backend=None, timeout=600)[0][0]
-    _assert_tp_parity(label, result, spec, max_local=0.6)
+    label, spec = "dp2xtp2 zero3 gpt2 labels", _hf("gpt2", "labels")
+    strategy = {"class": HYBRID, "tensor_parallel_size": 2, "data_parallel_size": 2, "zero_stage": 3}
+    results = run_distributed(fits_or_errors, 4, [dataclasses.replace(spec, strategy=strategy, devices=4)],
+                              init_backend=None, timeout=600)
+    assert all("error" not in rank[0] for rank in results), results[0][0].get("trace")
+    # Each data-parallel rank logs its own batch's mean (no sync_dist, as users write it); with equal
+    # token counts per rank the global batch's loss is the mean over ranks (tp peers log the same).
+    losses = [sum(step) / len(step) for step in zip(*(rank[0]["losses"] for rank in results))]
+    _assert_tp_parity(label, dict(results[0][0], losses=losses), spec, max_local=0.3)  # tp and ZeRO-3 multiply
 
 
 # ---------------------------------------------------------------- plans (no process group)

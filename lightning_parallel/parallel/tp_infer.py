@@ -194,8 +194,9 @@ def analyse(module: nn.Module) -> Structure:
                 st.roles[pname] = reason
         if isinstance(parent, nn.MultiheadAttention):
             st.roles[pname] = (
-                "nn.MultiheadAttention: its fused in_proj_weight is used inside F.multi_head_attention_forward, "
-                "which merges batch and heads; no tensor-parallel split of it is implemented (kept whole)"
+                "nn.MultiheadAttention: no tensor-parallel split of its fused in_proj_weight (used inside "
+                "F.multi_head_attention_forward) is implemented; kept whole"
+            )"
             )
         lins = [(n, c) for n, c in parent.named_children() if is_linear_like(c)]
         if not lins:

@@ -196,7 +196,6 @@ def analyse(module: nn.Module) -> Structure:
             st.roles[pname] = (
                 "nn.MultiheadAttention: no tensor-parallel split of its fused in_proj_weight (used inside "
                 "F.multi_head_attention_forward) is implemented; kept whole"
-            )"
             )
         lins = [(n, c) for n, c in parent.named_children() if is_linear_like(c)]
         if not lins:

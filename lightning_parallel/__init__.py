@@ -11,9 +11,11 @@ ensure_torchvision_importable()  # before anything imports lightning (see the mo
 
 from lightning_parallel.parallel.dims import ParallelDims  # noqa: E402
 from lightning_parallel.strategies import PRESETS, HybridParallelStrategy, register_strategies, strategy_from_name
+from lightning_parallel.pretrained import PretrainedWeights, load_pretrained  # noqa: E402
 
 __version__ = "0.1.0"
 
 register_strategies()
 
-__all__ = ["PRESETS", "HybridParallelStrategy", "ParallelDims", "__version__", "register_strategies", "strategy_from_name"]
+__all__ = ["PRESETS", "HybridParallelStrategy", "ParallelDims", "PretrainedWeights", "__version__", "load_pretrained",
+           "register_strategies", "strategy_from_name"]

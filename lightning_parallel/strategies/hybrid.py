@@ -63,6 +63,7 @@ from lightning_parallel.parallel.tensor_parallel import apply_tensor_parallel
 from lightning_parallel.parallel.tp_loss import sharded_logits_step
 from lightning_parallel.parallel.tp_plan import TensorParallelPlan, resolve_tp_plan
 from lightning_parallel.parallel.zero import shard_optimizer_state
+from lightning_parallel.pretrained import run_pending_loads
 from lightning_parallel.strategies import checkpoint as ckpt
 from lightning_parallel.strategies.experts import add_moe_losses, apply_experts, reduce_expert_grads
 from lightning_parallel.strategies.layer_sync import apply_layer_sync, check_layer_sync
@@ -605,6 +606,7 @@ class HybridParallelStrategy(ParallelStrategy):
         device = torch.device("cpu") if self.cpu_offload else self.root_device  # FSDP2 offload keeps shards on the CPU
         report = materialize_meta_module(module, device, getattr(self, "_meta_rng", None), buffer_device=self.root_device)
         self._meta_report = report  # for the monitor and the tests: what this rank holds, the largest temporary
+        run_pending_loads(module)  # load_pretrained(...) on the meta model: each rank reads the slices it holds
         rank_zero_info(
             f"Materialised the meta-device model: {report.local_bytes / 2**20:.1f} MiB held on rank 0, largest"
             f" initialisation temporary {report.peak_temporary_bytes / 2**20:.1f} MiB"

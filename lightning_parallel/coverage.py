@@ -66,6 +66,7 @@ class Cell:
     kind: str = "pending"  # ok | mismatch | refused | error | n/a
     value: float | None = None
     message: str = ""
+    dims: str | None = None  # the layout the strategy resolved to (e.g. "pp=2 x ... tp=1 (ep=1)")
 
     @property
     def id(self) -> str:
@@ -125,6 +126,21 @@ def format_table(cells: list[Cell], models: list[str], strategies: list[str]) ->
     return "\n".join(lines)
 
 
+def format_layouts(cells: list[Cell], strategies: list[str]) -> str:
+    """Which layout each strategy resolved to (several where it depends on the model)."""
+    lines = []
+    for strategy in strategies:
+        layouts: dict[str, list[str]] = {}
+        for cell in cells:
+            if cell.strategy == strategy and cell.dims:
+                layouts.setdefault(cell.dims, []).append(cell.model)
+        if layouts:
+            shown = "; ".join(f"`{dims}`" + (f" ({', '.join(models)})" if len(layouts) > 1 else "")
+                              for dims, models in layouts.items())
+            lines.append(f"- {strategy}: {shown}")
+    return "\n".join(lines)
+
+
 def _run_group(world: int, cells: list[Cell], refs: dict[str, str], work: Path, timeout_per_cell: float) -> None:
     """Run ``cells`` on ``world`` ranks, restarting a fresh group after a cell that broke one."""
     from lightning_parallel.testing import DistributedRunError, run_distributed
@@ -144,6 +160,7 @@ def _run_group(world: int, cells: list[Cell], refs: dict[str, str], work: Path, 
             if record_file.exists():
                 record = json.loads(record_file.read_text())
                 cell.kind, cell.value, cell.message = record["kind"], record.get("value"), record.get("message", "")
+                cell.dims = record.get("dims")
                 progressed = True
             elif started.exists():  # began but never reported: it broke the group (or hung)
                 cell.kind, cell.message = "error", error or "no result (the group stopped)"
@@ -221,6 +238,9 @@ def main(argv: list[str] | None = None) -> int:
     used_models = [m for m in models if any(c.model == m for c in cells)]
     used_strategies = [s for s in strategies if any(c.strategy == s for c in cells)]
     table = format_table(cells, used_models, used_strategies)
+    layouts = format_layouts(cells, used_strategies)
+    if layouts:
+        table += "\n\nLayouts the presets resolved to (mesh `pp x dp_replicate x dp_shard x tp`, experts `ep`):\n\n" + layouts
     failed = [c for c in cells if c.failed]
     summary = (f"{len(cells)} cells, {sum(c.kind == 'ok' for c in cells)} match, {sum(c.kind == 'refused' for c in cells)}"
                f" refused, {sum(c.kind == 'n/a' for c in cells)} n/a, {len(failed)} failed"

@@ -33,6 +33,10 @@ def _channel_sum(x: Tensor) -> Tensor:
     return x.sum(dim=dims)
 
 
+def _at_least_fp32(t: Tensor) -> Tensor:
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+
+
 def _bcast(v: Tensor, like: Tensor) -> Tensor:
     return v.view(1, -1, *([1] * (like.dim() - 2)))
 
@@ -43,7 +47,9 @@ class _SyncBatchNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float,
                 group: dist.ProcessGroup) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        x = x.contiguous()
+        ctx.input_dtype = x.dtype
+        x = _at_least_fp32(x.contiguous())  # statistics (and the count) of half inputs in fp32
+        weight_ = _at_least_fp32(weight) if weight is not None else None
         channels = x.size(1)
         local_count = x.numel() // channels
         stats = torch.cat([_channel_sum(x), x.new_full((1,), float(local_count))])
@@ -57,19 +63,20 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         invstd = torch.rsqrt(var + eps)
         x_hat = centred * _bcast(invstd, x)
         out = x_hat
-        if weight is not None:
-            out = out * _bcast(weight, x)
+        if weight_ is not None:
+            out = out * _bcast(weight_, x)
         if bias is not None:
-            out = out + _bcast(bias, x)
-        ctx.save_for_backward(x_hat, invstd, weight, count)
+            out = out + _bcast(_at_least_fp32(bias), x)
+        ctx.save_for_backward(x_hat, invstd, weight_, count)
+        ctx.param_dtype = weight.dtype if weight is not None else (bias.dtype if bias is not None else x.dtype)
         ctx.group, ctx.has_bias = group, bias is not None
         ctx.mark_non_differentiable(mean, var, count)
-        return out, mean, var, count
+        return out.to(ctx.input_dtype), mean, var, count
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor, *_: Any) -> tuple[Tensor | None, ...]:
         x_hat, invstd, weight, count = ctx.saved_tensors
-        grad_out = grad_out.contiguous()
+        grad_out = _at_least_fp32(grad_out.contiguous())
         grad_weight = _channel_sum(grad_out * x_hat) if weight is not None and ctx.needs_input_grad[1] else None
         grad_bias = _channel_sum(grad_out) if ctx.has_bias and ctx.needs_input_grad[2] else None
         grad_x = None
@@ -80,6 +87,9 @@ class _SyncBatchNormFunction(torch.autograd.Function):
             channels = x_hat.size(1)
             mean_dy, mean_dy_xhat = sums[:channels] / count, sums[channels:] / count
             grad_x = (grad_hat - _bcast(mean_dy, x_hat) - x_hat * _bcast(mean_dy_xhat, x_hat)) * _bcast(invstd, x_hat)
+        grad_x = grad_x.to(ctx.input_dtype) if grad_x is not None else None
+        grad_weight = grad_weight.to(ctx.param_dtype) if grad_weight is not None else None
+        grad_bias = grad_bias.to(ctx.param_dtype) if grad_bias is not None else None
         return grad_x, grad_weight, grad_bias, None, None
 
 

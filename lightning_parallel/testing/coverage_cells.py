@@ -117,6 +117,7 @@ def run_cell(spec: FitSpec, strategy: str, reference_file: str) -> dict[str, Any
                               "loss_diff": loss_diff, "param_diff": param_diff,
                               "clipped": bool(reference["grad_norms"]) and max(reference["grad_norms"]) > spec.trainer_kwargs.get(
                                   "gradient_clip_val", float("inf")),
+                              "dims": result["layout"].get("dims"),
                               "local_fraction": result["layout"].get("local_param_numel", 0)
                               / max(1, sum(p.numel() for p in result["params"].values()))}
     if problem is not None:

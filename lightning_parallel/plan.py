@@ -17,6 +17,22 @@ the same message and a non-zero exit status.
 World size: ``+world_size=N`` if given; else the trainer's processes when they hold the layout;
 else the product of the explicit degrees (a dry run may plan for more devices than this
 machine has).
+
+Search mode (``--search``): rank every layout of the model with the layout planner
+(:mod:`lightning_parallel.parallel.planner`) for a cluster given by flags, without starting
+any process, e.g.::
+
+    python -m lightning_parallel.plan --search --world-size 64 --devices-per-node 8 \
+        --hardware h100-80gb --device-memory-gib 80 --global-batch 512 --seq-len 2048 model=gpt
+    python -m lightning_parallel.plan --search --nodes 2 --json model=moe_gpt   # machine-readable
+
+Flags: ``--world-size N`` (else ``--nodes x --devices-per-node``, else as above),
+``--nodes``, ``--devices-per-node``, ``--hardware`` (``a100-80gb``, ``h100-80gb``, ``h200``,
+``cpu``, ``calibrate``: measure this machine), ``--device-memory-gib``, ``--global-batch``
+(sequences per step; default ``data.batch_size x world size``), ``--seq-len`` (default the
+data's or model's ``block_size``), ``--dtype`` (``bf16``, ``fp16``, ``fp32``), ``--optimizer``
+(``adamw``, ``sgd``, ``sgd_momentum``), ``--3d`` (only the layouts ``strategy="3d"`` would choose
+from), ``--top K`` rows, ``--json`` (the keys are listed in README's "Dry run" section).
 """
 
 from __future__ import annotations
@@ -169,11 +185,82 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(__doc__)
         return 0
     try:
+        if "--search" in args:
+            flags, overrides = _split_flags(args)
+            print(search(compose_config(overrides), flags))
+            return 0
         print(describe(compose_config(args)))
     except (ValueError, TypeError, HydraException, OmegaConfBaseException) as err:
         print(f"lightning_parallel.plan: error: {err}", file=sys.stderr)
         return 2
     return 0
+
+
+_FLAGS = {
+    "--world-size": int, "--nodes": int, "--devices-per-node": int, "--hardware": str, "--device-memory-gib": float,
+    "--global-batch": int, "--seq-len": int, "--dtype": str, "--optimizer": str, "--top": int,
+}
+_SWITCHES = ("--search", "--json", "--3d")
+
+
+def _split_flags(args: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
+    """``--flag value`` pairs and switches for the search; everything else is a Hydra override."""
+    flags: dict[str, Any] = {}
+    overrides: list[str] = []
+    items = list(args)
+    while items:
+        arg = items.pop(0)
+        name, _, inline = arg.partition("=") if arg.startswith("--") else (arg, "", "")
+        if name in _SWITCHES:
+            flags[name] = True
+        elif name in _FLAGS:
+            raw = inline or (items.pop(0) if items else "")
+            try:
+                flags[name] = _FLAGS[name](raw)
+            except ValueError:
+                raise config_error(ValueError, name, raw, f"it must be a {_FLAGS[name].__name__}", f"pass e.g. {name} 8") from None
+        elif arg.startswith("--"):
+            raise config_error(ValueError, "flag", arg, f"unknown; search flags are {sorted(_FLAGS) + list(_SWITCHES)}", "see --help")
+        else:
+            overrides.append(arg)
+    return flags, overrides
+
+
+def search(cfg: DictConfig, flags: dict[str, Any]) -> str:
+    """The ranked layout table (or its JSON) for the composed model on the cluster the flags describe."""
+    import json
+
+    from hydra.utils import instantiate
+
+    from lightning_parallel.parallel.hardware import GiB, get_profile
+    from lightning_parallel.parallel.planner import SearchSpace, plan_layouts
+
+    profile = get_profile(flags.get("--hardware", "cpu"))
+    per_node = flags.get("--devices-per-node")
+    nodes = flags.get("--nodes")
+    if "--world-size" in flags:
+        world = flags["--world-size"]
+    elif nodes is not None:
+        world = nodes * (per_node or profile.devices_per_node)
+    else:
+        world = world_size_for(cfg)[0]
+    if per_node is None and nodes is not None:
+        per_node = max(1, world // nodes)
+    with torch.device("meta"):
+        model: nn.Module = instantiate(cfg.model)
+    data = cfg.get("data") or {}
+    seq = flags.get("--seq-len") or data.get("block_size") or cfg.model.get("block_size")
+    batch = flags.get("--global-batch") or int(data.get("batch_size", 1)) * world
+    memory = flags.get("--device-memory-gib")
+    result = plan_layouts(
+        model, world, global_batch=batch, seq_len=int(seq) if seq else None, hardware=profile, devices_per_node=per_node,
+        device_memory=int(memory * GiB) if memory else None, dtype=flags.get("--dtype", "bf16"),
+        optimizer=flags.get("--optimizer", "adamw"), space=SearchSpace(require_model_parallel=bool(flags.get("--3d"))),
+    )
+    top = flags.get("--top", 15)
+    if flags.get("--json"):
+        return json.dumps(result.to_json(top), indent=2)
+    return result.explain() + "\n\n" + result.table(top)
 
 
 if __name__ == "__main__":

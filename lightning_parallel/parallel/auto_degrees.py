@@ -74,6 +74,7 @@ def choose_3d_degrees(
     activation_checkpointing: bool = False,
     cpu_offload: bool = False,
     hybrid_shard: bool = False,
+    sequence_parallel: bool = False,
     hardware: str | HardwareProfile = "cpu",
     device_memory: int | None = None,
     dtype: str = "fp32",
@@ -105,7 +106,8 @@ def choose_3d_degrees(
     space = SearchSpace(
         data_parallel_size=dp, expert_parallel_size=ep, zero_stages=(zero_stage,),
         activation_checkpointing=(activation_checkpointing,), cpu_offload=(cpu_offload,), hybrid_shard=(hybrid_shard,),
-        schedules=schedules, virtual_stages=virtual_stages if virtual_stages > 1 else None,
+        sequence_parallel=(sequence_parallel,),
+        schedules=schedules, virtual_stages=virtual_stages if virtual_stages > 1 else 2,
         microbatches=auto_microbatches, require_model_parallel=True,
     )
     seq = seq_len or facts.max_seq or 128

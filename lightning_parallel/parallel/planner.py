@@ -44,8 +44,9 @@ class SearchSpace:
     activation_checkpointing: tuple[bool, ...] = (False, True)
     cpu_offload: tuple[bool, ...] = (False, True)
     hybrid_shard: tuple[bool, ...] = (False, True)
+    sequence_parallel: tuple[bool, ...] = (False, True)
     schedules: tuple[str, ...] = ("1f1b", "interleaved_1f1b", "gpipe")
-    virtual_stages: int | None = None  # None: what the schedule needs (2 for interleaved)
+    virtual_stages: int | tuple[int, ...] = (2, 4)  # stages per rank tried for interleaved schedules
     microbatches: int | Callable[[int, str], int] | None = None  # None: every divisor of the per-rank batch
     # the schedule accepts; a callable maps (pp, schedule) to the count (the strategy's "auto" rule)
     require_model_parallel: bool = False
@@ -116,7 +117,12 @@ class PlanResult:
         return timed[:limit]
 
     def structural(self, limit: int = 6) -> list[Rejection]:
-        return [r for r in self.rejected if r.prediction is None][:limit]
+        """Degrees the model or the batch refuses, one per distinct reason."""
+        seen: dict[str, Rejection] = {}
+        for r in self.rejected:
+            if r.prediction is None:
+                seen.setdefault(r.reason.split(":")[0], r)
+        return list(seen.values())[:limit]
 
     def explain(self) -> str:
         """The rank-0 log text: choice, runner-up, why faster layouts were rejected."""
@@ -257,9 +263,11 @@ def _pipeline_options(facts: ModelFacts, tp: int, pp: int, dp: int, hw: Hardware
                       space: SearchSpace, check: LayoutCheck | None, result: PlanResult) -> None:
     per_dp = work.global_batch // dp
     schedules = ["none"] if pp == 1 else list(space.schedules)
-    for name in schedules:
+    options = space.virtual_stages if isinstance(space.virtual_stages, tuple) else (space.virtual_stages,)
+    combos = [(n, 1 if n == "none" or schedule_spec(n).style == "single" else (2 if schedule_spec(n).style == "v" else v))
+              for n in schedules for v in options]
+    for name, virtual in dict.fromkeys(combos):
         spec = schedule_spec(name) if pp > 1 else None
-        virtual = 1 if spec is None or spec.style == "single" else (space.virtual_stages or 2)
         shares = facts.shares(tp, pp, virtual, spec.style if spec else "single")
         if isinstance(shares, str):
             result.rejected.append(Rejection(f"tp={tp} x pp={pp}" + (f" {name} v{virtual}" if virtual > 1 else ""), shares))
@@ -317,9 +325,9 @@ def _options(facts: ModelFacts, base: Layout, shares: list, hw: HardwareProfile,
         for replicate in replicates:
             shard = dp // replicate if zero >= 2 else 1
             for offload in space.cpu_offload if zero >= 2 else (False,):
-                for ac in space.activation_checkpointing:
+                for ac, sp in [(a, q) for a in space.activation_checkpointing for q in (space.sequence_parallel if base.tp > 1 else (False,))]:
                     layout = dataclasses.replace(base, dp_replicate=dp // shard, dp_shard=shard, zero_stage=zero,
-                                                 activation_checkpointing=ac, cpu_offload=offload)
+                                                 activation_checkpointing=ac, cpu_offload=offload, sequence_parallel=sp)
                     result.evaluated += 1
                     pred = predict(facts, layout, shares, work, hw)
                     reason = check(layout) if check is not None else None

@@ -14,13 +14,15 @@ checkpointing), tensor-parallel all-reduces (4 per layer per microbatch, on the 
 expert all-to-alls, the pipeline bubble of the schedule (``(p - 1) / m`` of the pipelined time,
 ``/ v`` interleaved), point-to-point transfers, the data-parallel gradient reduction and ZeRO
 gathers less what overlaps with the backward, the optimizer step (memory-bound) and CPU offload
-transfers. A collective over ``n`` ranks costs ``2 (n-1)/n x bytes / bandwidth + 2 (n-1) x latency``
-(ring all-reduce); the link is NVLink-class inside a node and the NIC across nodes, decided from
+transfers. A collective over ``n`` ranks costs ``2 (n-1)/n x bytes / bandwidth + 2 log2(n) x latency``
+(ring all-reduce bandwidth; the latency of ``2 log2(n)`` steps,
+as tree and hierarchical algorithms take at scale); the link is NVLink-class inside a node and the NIC across nodes, decided from
 where the group's ranks sit in the mesh order ``pp, dp_replicate, dp_shard, tp``.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 
 from lightning_parallel.parallel.hardware import GiB, HardwareProfile
@@ -45,6 +47,7 @@ class Layout:
     schedule: str = "none"
     virtual_stages: int = 1
     cpu_offload: bool = False
+    sequence_parallel: bool = False
 
     @property
     def dp(self) -> int:
@@ -63,6 +66,8 @@ class Layout:
         dp = f"dp{self.dp}" if self.dp_replicate == 1 or self.dp_shard == 1 else f"dp{self.dp_replicate}x{self.dp_shard}"
         parts = [dp, f"tp{self.tp}", f"pp{self.pp}"] + ([f"ep{self.ep}"] if self.ep > 1 else [])
         text = " x ".join(parts) + f" zero{self.zero_stage}"
+        if self.sequence_parallel:
+            text += " sp"
         if self.activation_checkpointing:
             text += " ac"
         if self.cpu_offload:
@@ -77,6 +82,7 @@ class Layout:
             "data_parallel_size": self.dp, "tensor_parallel_size": self.tp, "pipeline_parallel_size": self.pp,
             "expert_parallel_size": self.ep, "zero_stage": self.zero_stage,
             "activation_checkpointing": self.activation_checkpointing, "cpu_offload": self.cpu_offload,
+            "sequence_parallel": self.sequence_parallel,
         }
         if self.dp_replicate > 1 and self.dp_shard > 1:
             out.update(hybrid_shard=True, data_parallel_replicate_size=self.dp_replicate)
@@ -146,7 +152,8 @@ def _ring(nbytes: float, n: int, link: tuple[float, float], factor: float = 2.0)
     if n <= 1 or nbytes <= 0:
         return 0.0
     bandwidth, latency = link
-    return factor * (n - 1) / n * nbytes / bandwidth + factor * (n - 1) * latency
+    steps = math.ceil(math.log2(n))  # latency of tree/hierarchical algorithms (NCCL's choice at scale)
+    return factor * (n - 1) / n * nbytes / bandwidth + factor * steps * latency
 
 
 def inflight(schedule: str, pp: int, m: int, virtual: int, rank: int) -> float:
@@ -167,14 +174,15 @@ def bubble_factor(schedule: str, pp: int, m: int, virtual: int) -> float:
     return (m + (pp - 1) / max(1, virtual)) / m
 
 
-def layer_activation_elements(facts: ModelFacts, tokens: int, seq: int, tp: int, scores: bool) -> float:
-    """Activation elements one block keeps for backward, for ``tokens`` tokens of sequences of ``seq``."""
+def layer_activation_elements(facts: ModelFacts, tokens: int, seq: int, tp: int, scores: bool, sp: bool = False) -> float:
+    """Activation elements one block keeps for backward, for ``tokens`` tokens of sequences of ``seq``
+    (``sp``: sequence parallelism splits the norm and dropout activations over ``tp`` too)."""
     h, a = facts.hidden, facts.heads
     replicated = 5.0 * tokens * h  # norm inputs, residual adds, dropout masks
     qkv = 1.0 + 2.0 * facts.kv_heads / a
     sharded = tokens * (h * (qkv + 1.0 + 1.0) + facts.mlp_mats * facts.ffn)
     score = 2.5 * a * seq * tokens if scores else 0.0
-    return replicated + (sharded + score) / tp
+    return replicated / (tp if sp else 1) + (sharded + score) / tp
 
 
 def predict(facts: ModelFacts, layout: Layout, shares: list[RankShare], work: Workload, hw: HardwareProfile) -> Prediction:
@@ -217,10 +225,10 @@ def predict(facts: ModelFacts, layout: Layout, shares: list[RankShare], work: Wo
         if L.cpu_offload:
             grads = optim = stored_params = 0.0
         buffers = params * work.grad_bytes if L.zero_stage == 0 and L.dp > 1 else 0.0  # DDP buckets
-        layer_act = layer_activation_elements(facts, mb_tokens, work.seq_len, L.tp, hw.attention_scores_stored) * cb
+        layer_act = layer_activation_elements(facts, mb_tokens, work.seq_len, L.tp, hw.attention_scores_stored, L.sequence_parallel) * cb
         held = inflight(L.schedule, L.pp, m, L.virtual_stages, r)
         if L.activation_checkpointing:
-            acts = share.layers * held * mb_tokens * facts.hidden * cb + layer_act
+            acts = share.layers * held * mb_tokens * facts.hidden * cb / (L.tp if L.sequence_parallel else 1) + layer_act
         else:
             acts = share.layers * held * layer_act
         logits = mb_tokens * facts.vocab * (cb + 4) if share.last else 0.0
@@ -268,7 +276,7 @@ def predict(facts: ModelFacts, layout: Layout, shares: list[RankShare], work: Wo
     units = layers + 1
     if L.zero_stage <= 1:
         buckets = max(1, int(-(-grad_msg // 25e6)))
-        dp_comm = _ring(grad_msg, L.dp, dp_link) + (buckets - 1) * 2 * (L.dp - 1) * dp_link[1] * (L.dp > 1)
+        dp_comm = _ring(grad_msg, L.dp, dp_link) + (buckets - 1) * 2 * math.ceil(math.log2(max(1, L.dp))) * dp_link[1]
         if L.zero_stage == 1 and L.dp > 1:
             dp_comm += _ring(params * work.param_dtype_bytes, L.dp, dp_link, factor=1.0)  # updated shards re-gathered
     else:
@@ -276,7 +284,7 @@ def predict(facts: ModelFacts, layout: Layout, shares: list[RankShare], work: Wo
         dp_comm = _ring(grad_msg, L.dp_shard, shard_link, factor=1.0)
         dp_comm += gathers * _ring(params * cb, L.dp_shard, shard_link, factor=1.0)
         dp_comm += _ring(grad_msg / L.dp_shard, L.dp_replicate, dp_link)
-        per_unit = (1 + gathers) * (L.dp_shard - 1) * shard_link[1] + (1 + gathers) * 10 * hw.kernel_overhead
+        per_unit = (1 + gathers) * (math.ceil(math.log2(max(1, L.dp_shard))) * shard_link[1] + 10 * hw.kernel_overhead)
         dp_comm += (units - 1) * per_unit
     backward = worst_time["compute"] * 2.0 / 3.0
     window = backward / m if L.pp > 1 else backward

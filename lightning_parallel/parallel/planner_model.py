@@ -108,6 +108,13 @@ class ModelFacts:
 
     def _per_module(self, sharded: set[str], sizes: dict[str, int], tp: int) -> dict[str, tuple[int, int, int, int]]:
         """Module name -> (stored params per tp rank, of which expert, Linear weight per tp rank, is an experts module)."""
+        if ("per_module", tp) in self._shares:
+            return self._shares[("per_module", tp)]  # type: ignore[index, return-value]
+        out = self._per_module_uncached(sharded, sizes, tp)
+        self._shares[("per_module", tp)] = out  # type: ignore[index]
+        return out
+
+    def _per_module_uncached(self, sharded: set[str], sizes: dict[str, int], tp: int) -> dict[str, tuple[int, int, int, int]]:
         owners = _module_params(self.module)
         experts = set(find_expert_modules(self.module))
         out: dict[str, tuple[int, int, int, int]] = {}
@@ -133,13 +140,20 @@ class ModelFacts:
         except (ValueError, TypeError) as error:
             return first_line(error)
         blocks = set(self.block_names)
+        rank_of = {m: s.rank for s in plan.stages for m in s.modules}
+        totals = [[0, 0, 0, 0] for _ in range(pp)]
+        for name, values in per_module.items():
+            owner = name
+            while owner and owner not in rank_of:  # the stage module at or above this one
+                owner = owner.rpartition(".")[0]
+            if owner in rank_of and name:
+                for i in range(4):
+                    totals[rank_of[owner]][i] += values[i]
         out = []
         for r in range(pp):
-            mods = [m for s in plan.stages if s.rank == r for m in s.modules]
-            inside = [n for n in per_module if n and any(n == m or n.startswith(f"{m}.") for m in mods)]
-            totals = [sum(per_module[n][i] for n in inside) for i in range(4)]
-            layers = sum(1 for m in mods if m in blocks)
-            out.append(RankShare(totals[0], totals[1], totals[2], layers, totals[3], r == 0, r == pp - 1))
+            layers = sum(1 for m, rk in rank_of.items() if rk == r and m in blocks)
+            t = totals[r]
+            out.append(RankShare(t[0], t[1], t[2], layers, t[3], r == 0, r == pp - 1))
         return out
 
 

@@ -71,6 +71,7 @@ def planner_inputs(strategy: Any, module: nn.Module) -> dict[str, Any]:
         "activation_checkpointing": strategy.activation_checkpointing,
         "cpu_offload": strategy.cpu_offload,
         "hybrid_shard": strategy.hybrid_shard,
+        "sequence_parallel": strategy.sequence_parallel,
         "hardware": profile,
         "device_memory": profile.memory_bytes,
         "dtype": _compute_dtype(strategy),

@@ -95,3 +95,37 @@ def test_strict_plan_error_as_a_subprocess() -> None:
     assert proc.returncode != 0
     assert "blocks.0.attn" in proc.stderr and "attention heads=4" in proc.stderr and "HINT" in proc.stderr
     assert "Tensor-parallel plan" not in proc.stdout
+
+
+# ---------------------------------------------------------------- --search: the layout planner's ranking
+def test_search_ranks_layouts_for_a_cluster_without_processes(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _run(["--search", "--world-size", "16", "--devices-per-node", "8", "--hardware", "a100-80gb",
+                           "--global-batch", "32", "--top", "5", "model=gpt"], capsys)
+    assert code == 0, err
+    assert out.startswith("planner: ") and " on 16 x a100-80gb (80.0 GiB each)" in out
+    rows = [line for line in out.splitlines() if re.match(r"\s+\d+[* ] dp", line)]
+    assert len(rows) == 5 and "*" in rows[0][:5]  # fastest first, the choice marked
+    assert re.search(r"\d+ of \d+ layouts fit; \d+ rejected", out)
+
+
+def test_search_json_is_machine_readable(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    code, out, err = _run(["--search", "--json", "--nodes", "2", "--devices-per-node", "4", "--hardware", "h100",
+                           "--device-memory-gib", "4", "--3d", "--dtype", "bf16", "model=gpt"], capsys)
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["world_size"] == 8 and data["devices_per_node"] == 4 and data["device_memory_bytes"] == 4 * 1024**3
+    assert data["hardware"] == "h100-80gb" and data["require_model_parallel"] is True
+    chosen = data["chosen"]["layout"]
+    assert chosen["tp"] * chosen["pp"] > 1 and data["chosen"]["peak_bytes_per_rank"] <= 4 * 1024**3
+    assert data["counts"]["fit"] == len(data["ranked"]) or data["counts"]["fit"] > len(data["ranked"])
+
+
+def test_search_flag_errors_exit_non_zero(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = _run(["--search", "--world-size", "x", "model=gpt"], capsys)
+    assert code == 2 and "--world-size" in err
+    code, _, err = _run(["--search", "--hardware", "tpu", "--world-size", "4", "model=gpt"], capsys)
+    assert code == 2 and "unknown hardware profile" in err
+    code, _, err = _run(["--search", "--bogus", "model=gpt"], capsys)
+    assert code == 2 and "--bogus" in err

@@ -7,6 +7,17 @@ so one source's pairing of column- and row-parallel layers is never half-overrid
 another's): a plan given in the strategy's config (glob of module names -> style), a plan the
 model declares (Hugging Face convention: ``_tp_plan`` on a module, ``config.base_model_tp_plan``),
 a plan inferred from the structure (:func:`lightning_parallel.parallel.tp_infer.analyse`).
+One exception: a declared plan that does not fit the model as built (entries matching no
+module, Hugging Face styles with no counterpart here) is completed by inferred *groups* that it
+does not mention at all (see :func:`resolve_tp_plan`), so no pairing is ever split between sources.
+
+Hugging Face's style names (transformers 5) map onto these: ``colwise``, ``rowwise``,
+``colwise_gather_output``/``colwise_rep``, ``rowwise_split_input``/``rowwise_rep``,
+``embedding_rowwise``, ``packed_colwise`` (the output packs equal parts, see
+:mod:`~lightning_parallel.parallel.tp_fused`), ``moe_tp_experts`` (see
+:mod:`~lightning_parallel.parallel.tp_experts`), ``replicated_with_grad_allreduce`` (replicate);
+the rest (:data:`UNSUPPORTED_HF_STYLES`) and unknown ones leave their modules to the inferred
+plan with a note in ``plan.warnings``. A user's ``tp_plan`` with an unknown style is an error.
 
 Why whole groups: a column-parallel q/k/v with a replicated output projection computes garbage.
 So a divisibility failure in one member of a group (the linears under one parent module)
@@ -45,11 +56,12 @@ SHARDING_STYLES = (COLWISE, ROWWISE, COLWISE_GATHER, EMBEDDING_ROWWISE, ROWWISE_
 STYLE_ALIASES = {
     # Hugging Face names (transformers 5 ``base_model_tp_plan`` values and older ones). Their
     # "local_*" variants leave shapes to the model code; here every sharded layer keeps global
-    # shapes inside its block, so they mean the same thing. "rowwise_rep" in transformers 5 is a
-    # row-parallel layer reading a replicated input (it slices it), as "rowwise_split_input".
+    # shapes inside its block, so they mean the same thing. "rowwise_rep" was a row-parallel layer
+    # with a replicated output in transformers 4 and reads a replicated input in transformers 5
+    # (no 5.x config uses it); inside a region its input is a DTensor, for which both agree.
     "colwise_rep": COLWISE_GATHER,
     "gather_output": COLWISE_GATHER,
-    "rowwise_rep": ROWWISE_SPLIT_INPUT,
+    "rowwise_rep": ROWWISE,
     "local_colwise": COLWISE,
     "local_rowwise": ROWWISE,
     "vocab_parallel": EMBEDDING_ROWWISE,
@@ -505,9 +517,12 @@ def resolve_tp_plan(
     nothing can be split (``tp_size > 1``), and, with ``strict``, for any size not divisible by
     ``tp_size``.
 
-    A declared (Hugging Face) plan is completed by the inferred one, group by group: an inferred
-    group none of whose modules the declared plan names (a shared expert the model's plan does
-    not reach, a module whose declared style has no counterpart here) is added whole.
+    A declared (Hugging Face) plan that does not fit the model as built (an entry matching no
+    module, a style with no counterpart here) is completed by the inferred plan, group by group:
+    an inferred group none of whose modules the declared plan names is added whole (Qwen2-MoE
+    declares ``mlp.gate_proj``/``up_proj``/``down_proj``, which its sparse layers do not have,
+    and misses their ``shared_expert``). A declared plan that fits is taken whole: what it leaves
+    out it may leave out on purpose.
     """
     if isinstance(tp_size, bool) or not isinstance(tp_size, int):
         raise config_error(TypeError, "tensor_parallel_size", tp_size, "must be an int", "pass e.g. tensor_parallel_size=2")
@@ -526,7 +541,8 @@ def resolve_tp_plan(
     elif declared:
         source = "declared"
         styles, named = _styles_from_globs(module, declared, user=False, notes=notes, packed=packed)
-        inferred = inferred_styles(structure)
+        misfit = bool(notes)  # entries matching no module, or styles with no counterpart here
+        inferred = inferred_styles(structure) if misfit else {}
         added: list[str] = []
         for members in _inferred_groups(structure, inferred).values():
             if members and not any(m in named or m in styles for m in members):
@@ -551,8 +567,9 @@ def resolve_tp_plan(
         groups = _inferred_groups(structure, styles)
     else:
         groups = _declared_groups(styles)
+    plannable = bool(styles)  # before divisibility: an empty plan after it has warned per module
     plan = _finalise(module, tp_size, source, styles, groups, reasons, structure, strict, notes, packed)
-    if tp_size > 1 and plan.total_params and plan.sharded_params == 0 and source != "user":
+    if tp_size > 1 and plan.total_params and not plannable and source != "user":
         raise _no_split_error(module, tp_size, plan)
     if tp_size > 1:
         _warn_whole_projections(module, plan)

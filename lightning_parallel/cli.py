@@ -12,9 +12,13 @@ so ``--print_config`` shows every option of the strategy and later
 ``--trainer.strategy.<option>=`` arguments refine the preset. (A preset name written in a YAML
 config stays a string: Lightning resolves it through its strategy registry.)
 
+Exit status: 0 when the subcommand (fit, validate, test, predict) succeeded on every rank.
 Configuration errors - a bad option value, degrees that do not divide ``trainer.devices`` - are
 reported in one line naming the field, the value, the rule and a fix, with exit status 2, in
-the launching process before any rank is started. The parallelism monitor is always on.
+the launching process before any rank is started. A run that fails on any rank exits 1: the
+launching process waits for the ranks it started, so the failure of any of them is its own,
+and when another rank failed first it says so in one line instead of printing the long
+"connection closed" traceback that follows from it. The parallelism monitor is always on.
 
 Lightning's launcher re-runs this command for every extra rank (like torchrun), so run it from
 a shell or a subprocess, not inside a notebook or a test runner's process.
@@ -32,6 +36,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from typing_extensions import override
 
 import lightning_parallel
+from lightning_parallel.app.exit_status import RankExitStatus, failures_after_success, take_launched_ranks
 from lightning_parallel.callbacks import ParallelismMonitor
 from lightning_parallel.errors import config_error
 from lightning_parallel.strategies import PRESETS, HybridParallelStrategy
@@ -108,19 +113,44 @@ class LightningParallelCLI(LightningCLI):
             print(f"lightning-parallel: error: {err}", file=sys.stderr)
             raise SystemExit(2) from err
 
+    @override
+    def _run_subcommand(self, subcommand: str) -> None:
+        """Run the subcommand; in the process that launched the other ranks, make its outcome
+        theirs too (see :mod:`lightning_parallel.app.exit_status` for why)."""
+        try:
+            super()._run_subcommand(subcommand)
+        except Exception as err:
+            watch = next((c for c in self.trainer.callbacks if isinstance(c, RankExitStatus)), None)
+            failed = watch.failed_first if watch is not None else {}
+            if not failed:
+                raise  # this rank's own error: its traceback is the last thing printed
+            ranks = ", ".join(f"rank {rank} exited with status {status}" for rank, status in failed.items())
+            first_line = (str(err).strip().splitlines() or [""])[0]
+            print(f"lightning-parallel: error: {ranks} (its error is above); rank "
+                  f"{self.trainer.global_rank} failed with {type(err).__name__}: {first_line}", file=sys.stderr)
+            raise SystemExit(1) from err
+        problems = failures_after_success(take_launched_ranks(self.trainer))
+        if problems:
+            print(f"lightning-parallel: error: {'; '.join(problems)}", file=sys.stderr)
+            raise SystemExit(1)
 
-def main(args: Sequence[str] | None = None) -> LightningParallelCLI:
-    """Console entry point ``lightning-parallel`` (also ``python -m lightning_parallel.cli``)."""
+
+def main(args: Sequence[str] | None = None) -> int:
+    """Console entry point ``lightning-parallel`` (also ``python -m lightning_parallel.cli``).
+
+    Returns the exit status, 0: the console script passes it to ``sys.exit``. Failures leave by
+    exception or ``SystemExit`` (2: configuration error, 1: a rank failed)."""
     assert lightning_parallel.PRESETS  # importing the package registered the strategy names
     if args is None:
         # Rewrite sys.argv itself: Lightning's launcher re-runs it for the other ranks.
         sys.argv = [sys.argv[0], *expand_presets(sys.argv[1:])]
-    return LightningParallelCLI(
-        trainer_defaults={"callbacks": [ParallelismMonitor()]},
+    LightningParallelCLI(
+        trainer_defaults={"callbacks": [ParallelismMonitor(), RankExitStatus()]},
         save_config_kwargs={"overwrite": True},
         args=None if args is None else expand_presets(list(args)),
     )
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

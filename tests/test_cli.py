@@ -1,5 +1,5 @@
-"""The ``lightning-parallel`` CLI, run as a user runs it (a subprocess; Lightning's launcher
-re-runs the command for rank 1): a preset name, the class with init args, ``--print_config``,
+"""The ``lightning-parallel`` CLI, run as a user runs it (the console script in a subprocess;
+Lightning's launcher re-runs the command for rank 1): a preset name, the class with init args, ``--print_config``,
 and bad input that must fail fast with one clear line and a non-zero exit."""
 
 from __future__ import annotations
@@ -21,9 +21,14 @@ BASE = [
 PARAMS = 1000 * 500 + 500 + 500 * 100 + 100 + 100 * 10 + 10
 
 
+CONSOLE_SCRIPT = Path(sys.executable).with_name("lightning-parallel")  # what `pip install` puts on PATH
+
+
 def cli(args: list[str], cwd: Path, timeout: int = 240) -> subprocess.CompletedProcess[str]:
+    """The installed console script (its exit status is the one a shell sees; issue 18), not ``-m``."""
+    assert CONSOLE_SCRIPT.is_file(), f"{CONSOLE_SCRIPT} missing: pip install -e '.[app]'"
     return subprocess.run(
-        [sys.executable, "-m", "lightning_parallel.cli", *args], cwd=cwd, capture_output=True, text=True,
+        [str(CONSOLE_SCRIPT), *args], cwd=cwd, capture_output=True, text=True,
         timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
 

@@ -17,10 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
-
 from lightning_parallel.app.summary import collect_rows, markdown_table, write_csv
+from lightning_parallel.app.sweep import SweepReport
 
 COLUMNS = (
     "strategy", "devices", "status", "samples_per_s", "tokens_per_s", "step_ms", "state_mb_per_device",
@@ -90,14 +88,12 @@ def write_comparison(sweep_dir: Path, summary_file: str = "results.json") -> str
     return table
 
 
-class CompareReport(Callback):
-    """Hydra callback: after the sweep, write and print the comparison."""
+class CompareReport(SweepReport):
+    """Hydra callback: after the sweep (also one with a failed job), write and print the comparison."""
 
-    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        sweep_dir = Path(config.hydra.sweep.dir)
-        if sweep_dir.is_dir():
-            print(write_comparison(sweep_dir, config.get("summary_file", "results.json")))
-            print(f"[lightning_parallel] comparison: {sweep_dir}/compare.md, compare.csv, compare.png")
+    def report(self, sweep_dir: Path, summary_file: str) -> None:
+        print(write_comparison(sweep_dir, summary_file))
+        print(f"[lightning_parallel] comparison: {sweep_dir}/compare.md, compare.csv, compare.png")
 
 
 if __name__ == "__main__":

@@ -129,7 +129,7 @@ class LightningParallelCLI(LightningCLI):
             print(f"lightning-parallel: error: {ranks} (its error is above); rank "
                   f"{self.trainer.global_rank} failed with {type(err).__name__}: {first_line}", file=sys.stderr)
             raise SystemExit(1) from err
-        problems = failures_after_success(take_launched_ranks(self.trainer))
+        problems = failures_after_success(take_launched_ranks(self.trainer), self.trainer.global_rank)
         if problems:
             print(f"lightning-parallel: error: {'; '.join(problems)}", file=sys.stderr)
             raise SystemExit(1)

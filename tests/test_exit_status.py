@@ -17,6 +17,8 @@ import lightning.pytorch as pl
 import pytest
 import yaml
 
+from lightning_parallel.app.exit_status import failures_after_success, stop_after_failure
+
 ROOT = Path(__file__).resolve().parents[1]
 CONSOLE_SCRIPT = Path(sys.executable).with_name("lightning-parallel")
 SMALL = ["--trainer.max_steps=3", "--trainer.val_check_interval=3", "--trainer.limit_val_batches=1",
@@ -57,6 +59,29 @@ def hydra_app(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
 def _last_line(text: str) -> str:
     lines = [line for line in text.splitlines() if line.strip()]
     return lines[-1] if lines else ""
+
+
+def _process(code: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-I", "-S", "-c", code])
+
+
+def test_the_launching_rank_tells_failed_ranks_from_blocked_ones() -> None:
+    """After rank 0 failed: a rank that exited non-zero by itself failed; one still running (blocked
+    in a collective) is killed and not blamed; one that exited 0 is neither."""
+    failed, done, blocked = _process("raise SystemExit(3)"), _process("pass"), _process("import time; time.sleep(120)")
+    failed.wait(), done.wait()
+    assert stop_after_failure({1: failed, 2: blocked, 3: done}, grace=1.0) == {1: 3}
+    assert blocked.returncode is not None and blocked.returncode < 0  # killed, not left running
+
+
+def test_the_launching_rank_reports_ranks_that_fail_after_it_succeeded() -> None:
+    failed, done, hung = _process("raise SystemExit(3)"), _process("pass"), _process("import time; time.sleep(120)")
+    failed.wait(), done.wait()
+    assert failures_after_success({1: done, 2: failed, 3: hung}, this_rank=0, timeout=1.0) == [
+        "rank 2 exited with status 3 after rank 0 finished (its error is above)",
+        "rank 3 did not exit within 1s after rank 0 finished (killed)",
+    ]
+    assert hung.returncode is not None and hung.returncode < 0
 
 
 def test_cli_print_config_file_fits_unchanged_then_test_and_predict_exit_0(tmp_path: Path) -> None:

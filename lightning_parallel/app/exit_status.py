@@ -61,18 +61,20 @@ def _kill(proc: subprocess.Popen[Any]) -> None:
     proc.wait()
 
 
-def failures_after_success(ranks: dict[int, subprocess.Popen[Any]], timeout: float = FINISH_TIMEOUT_S) -> list[str]:
-    """Wait for every launched rank after this one succeeded; one message per rank that did not
-    exit 0 (a rank still running at the deadline is killed and reported)."""
+def failures_after_success(
+    ranks: dict[int, subprocess.Popen[Any]], this_rank: int, timeout: float = FINISH_TIMEOUT_S
+) -> list[str]:
+    """Wait for every launched rank after this one (``this_rank``) succeeded; one message per rank
+    that did not exit 0 (a rank still running at the deadline is killed and reported)."""
     problems = []
     deadline = time.monotonic() + timeout
     for rank, proc in ranks.items():
         status = _wait(proc, deadline)
         if status is None:
             _kill(proc)
-            problems.append(f"rank {rank} did not exit within {timeout:.0f}s after rank 0 finished (killed)")
+            problems.append(f"rank {rank} did not exit within {timeout:.0f}s after rank {this_rank} finished (killed)")
         elif status != 0:
-            problems.append(f"rank {rank} exited with status {status} after rank 0 finished (its error is above)")
+            problems.append(f"rank {rank} exited with status {status} after rank {this_rank} finished (its error is above)")
     return problems
 
 

@@ -36,9 +36,11 @@ PADDED = "lightning_parallel.testing.real_models:padded_token_data"
 CLIP = {"gradient_clip_val": 0.5}
 
 
-def _hf(family: str, loss: str = "logits", padding: bool = False, **kwargs: Any) -> FitSpec:
+def _hf(family: str, loss: str = "logits", padding: bool = False, gradient_checkpointing: bool = False,
+        **kwargs: Any) -> FitSpec:
     return FitSpec(
-        model=HF, model_kwargs={"family": family, "loss": loss, "padding": padding, "n_layer": 2},
+        model=HF, model_kwargs={"family": family, "loss": loss, "padding": padding, "n_layer": 2,
+                                "gradient_checkpointing": gradient_checkpointing},
         data=PADDED if padding else TOKENS, global_batch=8, max_steps=5, trainer_kwargs=CLIP, **kwargs,
     )
 
@@ -48,6 +50,7 @@ TP2_CASES: list[tuple[str, FitSpec]] = [
     ("llama logits", _hf("llama")),
     ("llama labels padding", _hf("llama", "labels", padding=True)),
     ("qwen2 labels", _hf("qwen2", "labels")),
+    ("qwen2 labels HF gradient checkpointing", _hf("qwen2", "labels", gradient_checkpointing=True)),
     ("gpt2 logits", _hf("gpt2")),
     ("gpt2 labels padding", _hf("gpt2", "labels", padding=True)),
     ("gpt_neox logits", _hf("gpt_neox")),

@@ -150,8 +150,8 @@ def _run_group(world: int, cells: list[Cell], refs: dict[str, str], work: Path, 
         jobs = [(c.id, cell_spec(c.model, c.strategy), c.strategy, refs[c.model]) for c in pending]
         error = ""
         try:
-            run_distributed(run_cells, world, jobs, str(work), init_backend=None,
-                            timeout=60.0 + timeout_per_cell * len(jobs))
+            run_distributed(run_cells, world, jobs, str(work), timeout_per_cell, init_backend=None,
+                            timeout=60.0 + (timeout_per_cell + 30.0) * len(jobs))
         except DistributedRunError as exc:
             error = _first_error_line(str(exc))
         progressed = False
@@ -190,7 +190,7 @@ def _first_error_line(message: str) -> str:
     return lines[0] if lines else "failed"
 
 
-def run_matrix(pairs: list[tuple[str, str]], *, timeout_per_cell: float = 240.0, work_dir: str | None = None) -> list[Cell]:
+def run_matrix(pairs: list[tuple[str, str]], *, timeout_per_cell: float = 300.0, work_dir: str | None = None) -> list[Cell]:
     """Run every (model, strategy) pair; references in this process, cells grouped per world size."""
     cells = [Cell(m, s) if applies(m, s) else Cell(m, s, kind="n/a") for m, s in pairs]
     with tempfile.TemporaryDirectory(prefix="lp_coverage_") as tmp:
@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--strategies", help=f"comma-separated subset of {list(STRATEGIES)}")
     parser.add_argument("--subset", choices=["ci"], help="a covering subset: every model and strategy at least once")
     parser.add_argument("--out", help="write the markdown table to this file (it is printed either way)")
-    parser.add_argument("--timeout-per-cell", type=float, default=240.0)
+    parser.add_argument("--timeout-per-cell", type=float, default=300.0, help="seconds before a cell counts as hung")
     parser.add_argument("--work-dir", help="keep the per-cell records (JSON, tracebacks) here instead of a temp dir")
     args = parser.parse_args(argv)
     models = _names(args.models, list(MODELS), "models")

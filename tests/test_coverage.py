@@ -56,7 +56,7 @@ def test_a_cell_that_breaks_its_group_fails_and_the_rest_run_in_a_fresh_group(tm
 
     calls: list[list[str]] = []
 
-    def fake_run_distributed(fn: Any, world: int, jobs: list[Any], out_dir: str, **_: Any) -> None:
+    def fake_run_distributed(fn: Any, world: int, jobs: list[Any], out_dir: str, *_: Any, **__: Any) -> None:
         calls.append([job[0] for job in jobs])
         for cell_id, *_ in jobs:
             (Path(out_dir) / f"{cell_id}.started").write_text("")
@@ -70,6 +70,26 @@ def test_a_cell_that_breaks_its_group_fails_and_the_rest_run_in_a_fresh_group(tm
     coverage._run_group(2, cells, {"llama": "", "gpt2": "", "vit": ""}, tmp_path, 10.0)
     assert calls == [["llama__dp", "gpt2__dp", "vit__dp"], ["vit__dp"]]
     assert [(c.kind, c.message) for c in cells] == [("ok", ""), ("error", "IndexError: Dimension out of range"), ("ok", "")]
+
+
+class HangingModule:
+    """Stands in for a cell that hangs outside any collective (the watchdog's case)."""
+
+    def __init__(self) -> None:
+        import time
+
+        time.sleep(120)
+
+
+def test_a_hanging_cell_is_recorded_as_a_timeout(tmp_path: Path) -> None:
+    from lightning_parallel.testing import run_distributed
+    from lightning_parallel.testing.coverage_cells import run_cells
+    from lightning_parallel.testing.parity import FitSpec
+
+    jobs = [("llama__dp", FitSpec(model=f"{__name__}:HangingModule"), "dp", "")]
+    with pytest.raises(DistributedRunError, match="exited with code 3"):
+        run_distributed(run_cells, 1, jobs, str(tmp_path), 3.0, init_backend=None, timeout=90)
+    assert json.loads((tmp_path / "llama__dp.json").read_text()) == {"kind": "error", "message": "timeout: the cell ran past 3 s"}
 
 
 def test_main_exit_status_and_output_file(tmp_path: Path, monkeypatch: Any) -> None:

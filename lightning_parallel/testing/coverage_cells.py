@@ -20,6 +20,8 @@ Outcome kinds:
 from __future__ import annotations
 
 import json
+import os
+import threading
 import traceback
 from pathlib import Path
 from typing import Any
@@ -125,7 +127,22 @@ def run_cell(spec: FitSpec, strategy: str, reference_file: str) -> dict[str, Any
     return record
 
 
-def run_cells(cells: list[tuple[str, FitSpec, str, str]], out_dir: str) -> int:
+def _watchdog(seconds: float, cell_id: str, out: Path, rank: int) -> threading.Timer:
+    """End this rank if the cell runs past ``seconds`` (a hang outside any collective timeout);
+    rank 0 first records the timeout, so the parent shows it and resumes with the next cell."""
+
+    def fire() -> None:
+        if rank == 0:
+            _write(out / f"{cell_id}.json", {"kind": "error", "message": f"timeout: the cell ran past {seconds:.0f} s"})
+        os._exit(3)
+
+    timer = threading.Timer(seconds, fire)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
+def run_cells(cells: list[tuple[str, FitSpec, str, str]], out_dir: str, timeout_per_cell: float = 300.0) -> int:
     """Run ``(cell_id, spec, strategy_name, reference_file)`` cells in order on every rank.
 
     After an internal error the ranks may no longer agree on where they are (one raised, a
@@ -134,12 +151,16 @@ def run_cells(cells: list[tuple[str, FitSpec, str, str]], out_dir: str) -> int:
     import torch.distributed as dist
 
     out = Path(out_dir)
-    rank = int(__import__("os").environ.get("RANK", "0"))
+    rank = int(os.environ.get("RANK", "0"))
     done = 0
     for cell_id, spec, strategy, reference_file in cells:
         if rank == 0:
             (out / f"{cell_id}.started").write_text("")
-        record = run_cell(spec, strategy, reference_file)
+        timer = _watchdog(timeout_per_cell, cell_id, out, rank)
+        try:
+            record = run_cell(spec, strategy, reference_file)
+        finally:
+            timer.cancel()
         if rank == 0:
             _write(out / f"{cell_id}.json", record)
         done += 1

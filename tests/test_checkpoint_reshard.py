@@ -149,7 +149,11 @@ def test_interrupted_save_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
     after = load_model_state(path)  # still the complete previous checkpoint
     for name, value in before.items():
         torch.testing.assert_close(after[name], value, rtol=0, atol=0)
-    assert not (path.with_name(path.name + ".partial") / "meta.pt").exists()  # the partial one is not a checkpoint
+    from lightning_parallel.strategies.checkpoint import _scratch_names
+
+    partial, _ = _scratch_names(path)
+    assert partial.is_dir() and not (partial / "meta.pt").exists()  # the interrupted save left no checkpoint there
+    assert "last" not in partial.name  # so Lightning's ckpt_path="last" can never pick it
 
 
 MOE = FitSpec(

@@ -25,6 +25,7 @@ non-DCP part of the checkpoint.
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 from pathlib import Path
 from typing import Any
@@ -144,7 +145,7 @@ def save_sharded(checkpoint: dict[str, Any], path: Path, zero1: bool) -> None:
             checkpoint.setdefault(ZERO1_KEY, {})[idx] = optim
         else:
             state[f"optimizer_{idx}"] = optim
-    partial = path.with_name(path.name + ".partial")
+    partial, previous = _scratch_names(path)
     if dist.get_rank() == 0:
         _remove(partial)
         partial.mkdir(parents=True)
@@ -152,13 +153,24 @@ def save_sharded(checkpoint: dict[str, Any], path: Path, zero1: bool) -> None:
     dcp.save(state, checkpoint_id=str(partial))
     if dist.get_rank() == 0:
         torch.save(checkpoint, partial / META_FILENAME)
-        previous = path.with_name(path.name + ".old")
         _remove(previous)
         if path.exists():
             path.rename(previous)
         partial.rename(path)
         _remove(previous)
     dist.barrier()
+
+
+def _scratch_names(path: Path) -> tuple[Path, Path]:
+    """Where a save is written before it replaces ``path``, and where the previous one waits meanwhile.
+
+    Neither name contains ``path``'s own name: Lightning's ``ckpt_path="last"`` takes the newest
+    entry of the checkpoint directory whose name *contains* "last", so ``last.ckpt.partial`` (a
+    save interrupted by a crash) would be chosen over the complete ``last.ckpt``. Hidden names
+    from a digest of the name keep one scratch pair per checkpoint and out of Lightning's way.
+    """
+    digest = hashlib.sha1(path.name.encode()).hexdigest()[:12]
+    return path.with_name(f".lp-{digest}.partial"), path.with_name(f".lp-{digest}.previous")
 
 
 def _remove(path: Path) -> None:

@@ -29,7 +29,6 @@ from lightning.fabric.utilities.distributed import (
     _all_gather_ddp_if_available,
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
-    _init_dist_connection,
     _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
@@ -59,6 +58,7 @@ from lightning_parallel.parallel.pipeline_schedules import resolve_virtual_stage
 from lightning_parallel.parallel.dims import DP, EDP, PP_DP, TP, Degree, ParallelDims
 from lightning_parallel.parallel.expert_parallel import validate_expert_parallel
 from lightning_parallel.parallel.materialize import RngSnapshot, has_meta_tensors, materialize_meta_module, move_real_tensors
+from lightning_parallel.parallel.pipeline_meta import stays_meta_until_traced
 from lightning_parallel.parallel.tensor_parallel import apply_tensor_parallel
 from lightning_parallel.parallel.tp_loss import sharded_logits_step
 from lightning_parallel.parallel.tp_plan import TensorParallelPlan, resolve_tp_plan
@@ -75,6 +75,7 @@ from lightning_parallel.strategies.resume import (
     restore_rng_state,
 )
 from lightning_parallel.strategies.nonfinite import NonFiniteGuard, NonFiniteMode, validate_nonfinite
+from lightning_parallel.strategies.process_group import init_process_group
 from lightning_parallel.strategies.options import as_timedelta, validate_more_options, validate_options
 
 
@@ -374,7 +375,7 @@ class HybridParallelStrategy(ParallelStrategy):
             self.root_device
         )
         assert self.cluster_environment is not None
-        _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
+        init_process_group(self.cluster_environment, self._process_group_backend, self._timeout)  # per-attempt store
         self._dims.build_mesh(self.root_device.type)
         rank_zero_info(f"{type(self).__name__}: {self._dims.describe()}, zero_stage={self.zero_stage}")
 
@@ -447,7 +448,8 @@ class HybridParallelStrategy(ParallelStrategy):
             # tensor parallelism is applied to the traced stages then (parallel/pipeline_tp.py).
             if dims.tp > 1:
                 self._log_tp_plan()
-            self._materialize(module)  # meta-built model: whole on every rank for now, before tracing
+            if not stays_meta_until_traced(dims.dp, self.zero_stage, dims.ep):
+                self._materialize(module)  # ZeRO / ep stages: the whole meta model, before tracing
             self._pipeline = PipelineDriver(self, module)
             return module
         apply_layer_sync(self._layer_sync, module, dims)  # BatchNorm statistics over the dp group
@@ -599,12 +601,14 @@ class HybridParallelStrategy(ParallelStrategy):
         with torch.device("meta"), self.precision_plugin.tensor_init_context():
             yield
 
-    def _materialize(self, module: nn.Module) -> None:
-        """Allocate and initialise this rank's part of a meta-built model (no-op otherwise; no collective)."""
+    def _materialize(self, module: nn.Module, in_place: bool = False) -> None:
+        """Allocate and initialise this rank's part of a meta-built model (no-op otherwise; no collective).
+        ``in_place``: pipeline stages share the module's parameter objects (see parallel/pipeline_meta.py)."""
         if not has_meta_tensors(module):
             return
         device = torch.device("cpu") if self.cpu_offload else self.root_device  # FSDP2 offload keeps shards on the CPU
-        report = materialize_meta_module(module, device, getattr(self, "_meta_rng", None), buffer_device=self.root_device)
+        report = materialize_meta_module(module, device, getattr(self, "_meta_rng", None), buffer_device=self.root_device,
+                                         in_place=in_place)
         self._meta_report = report  # for the monitor and the tests: what this rank holds, the largest temporary
         run_pending_loads(module)  # load_pretrained(...) on the meta model: each rank reads the slices it holds
         rank_zero_info(

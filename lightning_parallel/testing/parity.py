@@ -39,6 +39,8 @@ class FitSpec:
     save_to: str | None = None  # trainer.save_checkpoint after fit
     checkpoint_every: int = 0  # >0: a ModelCheckpoint writing to ``checkpoint_dir`` every N steps
     checkpoint_dir: str | None = None
+    save_last: bool = False  # the ModelCheckpoint also keeps ``last.ckpt`` (for ``resume_from="last"``)
+    callbacks: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # extra ("pkg.mod:Class", kwargs)
 
 
 def _load(path: str) -> Any:
@@ -137,7 +139,8 @@ def run_fit(spec: FitSpec) -> dict[str, Any]:
     callbacks: list[Any] = [recorder]
     if spec.checkpoint_every:
         callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=spec.checkpoint_dir, every_n_train_steps=spec.checkpoint_every,
-                                                      save_top_k=-1))
+                                                      save_top_k=-1, save_last=spec.save_last or None))
+    callbacks.extend(_load(name)(**kwargs) for name, kwargs in spec.callbacks)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=spec.devices,

@@ -1,0 +1,48 @@
+"""Create the default process group, safely across torchrun restarts.
+
+Why not Lightning's ``_init_dist_connection`` alone: under ``torchrun --max-restarts`` the
+workers of every attempt join the elastic agent's own ``TCPStore``, at the same
+``MASTER_PORT`` (measured with torch 2.13: attempt 0 and attempt 1 both get the agent's port,
+``TORCHELASTIC_USE_AGENT_STORE=True``), and torch adds no per-attempt prefix (its comment says
+a new store is made per retry; in standalone mode it is not). The keys the crashed attempt
+wrote (each gloo rank's listening address, NCCL's unique id) are still there, so a restarted
+rank can read its peer's *old* address before the peer has written the new one: gloo then
+fails with "connectFullMesh ... Connection refused", or waits until the collective timeout.
+Prefixing the store with ``TORCHELASTIC_RESTART_COUNT`` gives every attempt its own key space.
+Outside torchelastic this is exactly Lightning's function.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+from datetime import timedelta
+
+import torch.distributed as dist
+from lightning.fabric.plugins import ClusterEnvironment
+from lightning.fabric.utilities.distributed import _destroy_dist_connection, _init_dist_connection
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+
+def restart_attempt() -> int | None:
+    """torchrun's attempt number (0 for the first run), or None outside torchelastic."""
+    value = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    return int(value) if value is not None and value.isdigit() else None
+
+
+def init_process_group(cluster_environment: ClusterEnvironment, backend: str, timeout: timedelta) -> None:
+    """The world's process group: Lightning's way, with a per-attempt store under torchelastic."""
+    attempt = restart_attempt()
+    if dist.is_initialized() or attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        _init_dist_connection(cluster_environment, backend, timeout=timeout)
+        return
+    rank, world_size = cluster_environment.global_rank(), cluster_environment.world_size()
+    os.environ["MASTER_ADDR"] = cluster_environment.main_address
+    os.environ["MASTER_PORT"] = str(cluster_environment.main_port)
+    agent_store = dist.TCPStore(cluster_environment.main_address, cluster_environment.main_port, world_size,
+                                is_master=False, timeout=timeout)
+    store = dist.PrefixStore(f"lightning_parallel/attempt_{attempt}", agent_store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    if "nccl" in backend:  # as Lightning: destroy NCCL groups at exit (torch warns otherwise)
+        atexit.register(_destroy_dist_connection)
+    rank_zero_info(f"distributed_backend={backend}: {world_size} processes, torchrun attempt {attempt}")

@@ -43,11 +43,14 @@ def test_model_state_bytes_per_zero_stage_are_exact() -> None:
                         cpu_offload=(False,), hybrid_shard=(False,))
     result = plan_layouts(model, 4, global_batch=8, hardware="cpu", dtype="fp32", space=space)
     # fp32 weights (4 bytes), fp32 gradients (4), AdamW moments (8); ZeRO-1 shards the moments,
-    # ZeRO-2 the gradients too, ZeRO-3 the weights too, over the 4 data-parallel ranks.
-    expected = {0: n * 16, 1: n * (4 + 4 + 8 / 4), 2: n * (4 + 4 / 4 + 8 / 4), 3: n * 16 / 4}
+    # ZeRO-2 the gradients too, ZeRO-3 the weights too, over the 4 data-parallel ranks. ZeRO-2 runs
+    # on FSDP2, which stores sharded weights too and holds the gathered copy during the step only.
+    expected = {0: n * 16, 1: n * (4 + 4 + 8 / 4), 2: n * 16 / 4, 3: n * 16 / 4}
     for stage, nbytes in expected.items():
         pred = _find(result, zero_stage=stage)
         assert pred.memory["model_state"] == pytest.approx(nbytes, rel=1e-9), stage
+    assert _find(result, zero_stage=2).memory["gathered_params"] == pytest.approx(n * 4)  # the unsharded fp32 copy
+    assert _find(result, zero_stage=3).memory["gathered_params"] < n * 4  # two blocks at a time
     # SGD without momentum keeps no optimizer state.
     sgd = plan_layouts(model, 4, global_batch=8, hardware="cpu", dtype="fp32", optimizer="sgd", space=space)
     assert _find(sgd, zero_stage=0).memory["model_state"] == pytest.approx(n * 8)

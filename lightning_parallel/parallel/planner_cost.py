@@ -204,6 +204,7 @@ def predict(facts: ModelFacts, layout: Layout, shares: list[RankShare], work: Wo
     worst_mem: dict[str, float] = {"total": -1.0}
     worst_time: dict[str, float] = {"compute": 0.0}
     worst_rank_compute = 0.0
+    model_state_max = 0.0
     # The busiest ranks: the first (most microbatches in flight), the last (logits), the ones
     # holding or computing most; evaluating these is exact for the maximum and keeps the search fast.
     picks = {0, len(shares) - 1, max(range(len(shares)), key=lambda i: shares[i].params),
@@ -214,7 +215,7 @@ def predict(facts: ModelFacts, layout: Layout, shares: list[RankShare], work: Wo
         shard = L.dp_shard if L.zero_stage >= 2 else 1
         grads = params * work.grad_bytes / shard
         optim = params * opt_bytes / (L.dp if L.zero_stage >= 1 else 1)
-        stored_params = params * work.param_dtype_bytes / (shard if L.zero_stage == 3 else 1)
+        stored_params = params * work.param_dtype_bytes / shard  # FSDP2 keeps the sharded fp32 weights (ZeRO-2 and 3)
         per_block = share.params / max(1, share.layers) if share.layers else share.params
         if L.zero_stage == 3:
             working = 2 * per_block * cb  # the gathered unit and the one prefetched
@@ -238,6 +239,7 @@ def predict(facts: ModelFacts, layout: Layout, shares: list[RankShare], work: Wo
         }
         mem["total"] = sum(mem.values())
         mem["model_state"] = stored_params + grads + optim
+        model_state_max = max(model_state_max, mem["model_state"])
         if mem["total"] > worst_mem["total"]:
             worst_mem = mem
 
@@ -306,7 +308,8 @@ def predict(facts: ModelFacts, layout: Layout, shares: list[RankShare], work: Wo
     }
     time["total"] = pipelined + p2p + exposed_dp + optimizer + offload
     model_flops = 6.0 * work.tokens * (facts_matmul(facts) + facts_expert_active(facts)) + 12.0 * work.tokens * work.seq_len * facts.hidden * facts.n_blocks
-    return Prediction(layout=L, memory=worst_mem, time=time, model_flops=model_flops, world=L.world, tokens=work.tokens)
+    return Prediction(layout=L, memory=worst_mem, time=time, model_flops=model_flops, world=L.world, tokens=work.tokens,
+                      extra={"model_state_max": model_state_max})
 
 
 def facts_matmul(facts: ModelFacts) -> float:

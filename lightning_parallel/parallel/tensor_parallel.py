@@ -121,6 +121,15 @@ def check_tensor_parallel(
             "apply tensor parallelism once, before data-parallel sharding",
         )
     if sequence_parallel:
+        hf = next((n for n, m in modules.items() if _is_hf_model(m)), None)
+        if hf is not None:
+            raise config_error(
+                ValueError, "sequence_parallel", True,
+                f"`{hf or type(module).__name__}` is a Hugging Face transformers model: it builds its attention mask, "
+                "position ids and rotary embeddings from the length of the embedding output, which sequence "
+                "parallelism splits here, so they would cover half the sequence",
+                "set sequence_parallel=false (tensor parallelism itself splits every projection of these models)",
+            )
         if not plan.stream_embeddings:
             raise config_error(
                 ValueError, "sequence_parallel", True,
@@ -140,6 +149,11 @@ def check_tensor_parallel(
                 "an LM head nor inside an attention/MLP block, so their place in a sequence split is unknown",
                 "set sequence_parallel=false, or give a tp_plan marking per-token modules as 'sequence_parallel'",
             )
+
+
+def _is_hf_model(module: nn.Module) -> bool:
+    """A ``transformers.PreTrainedModel`` (by class name in the MRO: no transformers import here)."""
+    return any(cls.__name__ == "PreTrainedModel" for cls in type(module).__mro__)
 
 
 def _sharded_heads(plan: TensorParallelPlan) -> list[str]:

@@ -221,11 +221,14 @@ class CheckpointedForward:
 
 def checkpointed_blocks(module: nn.Module) -> dict[str, Callable[..., Any]]:
     """Modules that checkpoint themselves when training (Hugging Face ``GradientCheckpointingLayer``
-    with checkpointing enabled) -> their checkpoint function."""
+    with checkpointing enabled) -> their checkpoint function. Matched by class name, so that this
+    layer imports nothing from ``transformers``; the model classes that carry the same flag (but
+    only hand it to their layers) are not checkpoints themselves."""
     return {
         name: sub._gradient_checkpointing_func
         for name, sub in module.named_modules()
         if getattr(sub, "gradient_checkpointing", False) is True and callable(getattr(sub, "_gradient_checkpointing_func", None))
+        and any(cls.__name__ == "GradientCheckpointingLayer" for cls in type(sub).__mro__)
     }
 
 

@@ -1,0 +1,198 @@
+"""Pipeline parallelism on real Hugging Face and torchvision models, wrapped as their users write them.
+
+``Trainer(strategy="pp", devices=2)`` on ``transformers`` causal LMs (tiny random configs) and
+torchvision classifiers, each in a plain LightningModule from ``lightning_parallel.testing.real_models``:
+per-step losses and final parameters equal one process (fp32, relative 1e-5, 5 steps, clipping on).
+The Hugging Face ways of writing it are covered across the cells: the loss from ``labels=``
+inside ``self.model(...)`` (the step never calls ``self.forward``), the default ``use_cache=True``,
+tied ``lm_head``/``wte`` on the first and last stage (GPT-2), ``config.base_model_pp_plan`` as
+the cut, ``gradient_checkpointing_enable()``, and an ``attention_mask`` with padding.
+
+Two cells cannot equal one full-batch step, by what they compute, and are compared with one
+process accumulating over the same microbatches instead (ResNet-18 also runs with one microbatch,
+where it equals one full-batch step) (batch / microbatches, ``accumulate_grad_batches
+= microbatches``; each pipelined step's loss is the mean of two reference losses):
+
+* ResNet-18: BatchNorm normalises each microbatch with that microbatch's statistics (and
+  updates its running statistics once per microbatch);
+* padding: a token-mean loss over the non-padded tokens of each microbatch (HF's loss and
+  ``F.cross_entropy(ignore_index=-100)``) weights the microbatches equally, not by their tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_parallel.parallel.pipeline import CheckpointedForward, trace_pipeline
+from lightning_parallel.parallel.pipeline_plan import plan_pipeline
+from lightning_parallel.strategies.pipeline_entry import Entry, split_kwargs, tracing_forward
+from lightning_parallel.strategies.pipeline_logging import probe_entry_inputs
+from lightning_parallel.testing import run_distributed
+from lightning_parallel.testing.parity import FitSpec, run_fits
+from lightning_parallel.testing.real_models import HFCausalLM
+from tests.test_data_parallel import assert_parity
+
+RM = "lightning_parallel.testing.real_models"
+CLIP = {"gradient_clip_val": 0.5}
+MICROBATCHES = 2  # pp's default for 2 ranks
+
+
+class ProbedHFCausalLM(HFCausalLM):
+    """``HFCausalLM`` unchanged, plus a record (after fit, per rank) of what the pipeline did with
+    it: how many traced layers recompute in backward, and the value of the tied embedding this
+    rank holds (GPT-2's ``wte`` = ``lm_head``, used on the first and the last stage)."""
+
+    records: dict[str, Any] = {}
+
+    def on_train_end(self) -> None:
+        driver = getattr(self.trainer.strategy, "_pipeline", None)
+        stages = driver.runtime.stage_modules() if driver is not None else []
+        checkpointed = sum(isinstance(m.__dict__.get("forward"), CheckpointedForward) for s in stages for m in s.modules())
+        head = self.model.get_output_embeddings().weight
+        tied = head is self.model.get_input_embeddings().weight
+        ProbedHFCausalLM.records[self.family] = {
+            "checkpointed": checkpointed, "tied": tied, "head": head.detach().clone() if head.numel() else None,
+        }
+
+
+def _lm(family: str, strategy: Any = "pp", devices: int = 2, data: str = "lightning_parallel.testing.parity:token_data",
+        **kwargs: Any) -> FitSpec:
+    return FitSpec(model="tests.test_hf_pp:ProbedHFCausalLM", model_kwargs={"family": family, **kwargs}, data=data,
+                   strategy=strategy, devices=devices, global_batch=8, max_steps=5, trainer_kwargs=CLIP)
+
+
+def _vision(arch: str, strategy: Any = "pp", **kwargs: Any) -> FitSpec:
+    return FitSpec(model=f"{RM}:VisionClassifier", model_kwargs={"arch": arch, **kwargs}, data=f"{RM}:image_data",
+                   strategy=strategy, devices=2, global_batch=8, max_steps=5, trainer_kwargs=CLIP)
+
+
+# Naive layer placement (one microbatch): BatchNorm sees the whole batch, as in one process.
+WHOLE_BATCH = {"class": "lightning_parallel:HybridParallelStrategy", "pipeline_parallel_size": 2, "pipeline_schedule": "gpipe",
+               "microbatches": 1}
+
+
+# label -> (spec, compared with one process accumulating over the microbatches?)
+PP2_CELLS: dict[str, tuple[FitSpec, bool]] = {
+    "llama labels= (self.model call, base_model_pp_plan)": (_lm("llama", loss="labels"), False),
+    "qwen2": (_lm("qwen2"), False),
+    "gpt2 tied lm_head + gradient checkpointing": (_lm("gpt2", gradient_checkpointing=True), False),
+    "gpt_neox": (_lm("gpt_neox"), False),
+    "qwen2_moe labels= (experts as opaque ops)": (_lm("qwen2_moe", loss="labels"), False),
+    "vit": (_vision("vit"), False),
+    "phi3 padding labels=": (_lm("phi3", loss="labels", padding=True, data=f"{RM}:padded_token_data"), True),
+    # lr 0.01: at the default 0.1 the accumulating comparison reaches 2.4e-5 at step 5 (BatchNorm over
+    # 4 samples of 1x1 maps in layer4 amplifies round-off; the same step at one microbatch stays ~1e-7).
+    "resnet18 (BatchNorm per microbatch)": (_vision("resnet18", lr=0.01), True),
+    "resnet18 gpipe microbatches=1 (BatchNorm on the whole batch)": (_vision("resnet18", WHOLE_BATCH), False),
+}
+
+
+def _single_process(spec: FitSpec, accumulating: bool) -> FitSpec:
+    spec = dataclasses.replace(spec, strategy="auto", devices=1)
+    if accumulating:
+        spec = dataclasses.replace(spec, global_batch=spec.global_batch // MICROBATCHES,
+                                   trainer_kwargs={**spec.trainer_kwargs, "accumulate_grad_batches": MICROBATCHES})
+    return spec
+
+
+def _worker(specs: list[FitSpec]) -> dict[str, Any]:
+    fits = run_fits(specs)
+    return {"fits": fits, "records": ProbedHFCausalLM.records}
+
+
+def _per_step(losses: list[float]) -> list[float]:
+    return torch.tensor(losses).view(-1, MICROBATCHES).mean(1).tolist()
+
+
+def check_cells(cells: dict[str, tuple[FitSpec, bool]], world_size: int, timeout: float) -> list[dict[str, Any]]:
+    """Run every cell in one spawned group and compare each rank with its single-process reference."""
+    per_rank = run_distributed(_worker, world_size, [spec for spec, _ in cells.values()], init_backend=None, timeout=timeout)
+    references = run_distributed(run_fits, 1, [_single_process(s, acc) for s, acc in cells.values()], init_backend=None,
+                                 timeout=timeout)[0]
+    for (label, (spec, accumulating)), reference in zip(cells.items(), references):
+        assert max(reference["grad_norms"]) > CLIP["gradient_clip_val"], f"{label}: clipping must be active"
+        if accumulating:
+            reference = {**reference, "losses": _per_step(reference["losses"])}
+        index = list(cells).index(label)
+        for rank, result in enumerate(per_rank):
+            fit = result["fits"][index]
+            # Data-parallel ranks log their own batch's loss (the step does not sync it): compare the mean.
+            losses = [sum(values) / len(values) for values in zip(*(r["fits"][index]["losses"] for r in per_rank))]
+            assert_parity({**fit, "losses": losses}, reference, f"{label} (rank {rank})", metrics=False)
+    return per_rank
+
+
+def test_pp2_on_real_models_matches_single_process() -> None:
+    per_rank = check_cells(PP2_CELLS, 2, timeout=600)
+    for rank, result in enumerate(per_rank):
+        gpt2 = result["records"]["gpt2"]
+        assert gpt2["tied"], "lm_head and wte stay one parameter"
+        assert gpt2["checkpointed"] == 2, f"rank {rank}: each rank's two GPT-2 blocks recompute in backward"
+        assert result["records"]["llama"]["checkpointed"] == 0
+    # The tied weight lives on both stages: each rank's copy got the summed gradient, so they stay equal.
+    torch.testing.assert_close(per_rank[0]["records"]["gpt2"]["head"], per_rank[1]["records"]["gpt2"]["head"], rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------- no process group
+def test_training_step_calling_self_model_is_the_entry_and_labels_stay_out_of_the_trace() -> None:
+    torch.manual_seed(0)
+    module = HFCausalLM(family="llama", loss="labels")
+    x = torch.randint(0, 64, (4, 16))
+    name, args, kwargs = probe_entry_inputs(module, "training_step", ((x, x), 0), {})  # type: ignore[misc]
+    assert name == "model" and args == () and set(kwargs) == {"input_ids", "labels"}
+    traced, loss = split_kwargs(Entry(name), module, {**kwargs, "use_cache": True})
+    assert set(traced) == {"input_ids"} and set(loss) == {"labels"}
+    assert module.model.config.use_cache is True  # the default; off only while tracing
+    with tracing_forward(module, Entry(name)):
+        assert module.model.config.use_cache is False
+    assert module.model.config.use_cache is True and "forward" not in module.__dict__
+
+
+class _LabelsChild(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        return self.fc(x)
+
+
+def test_labels_outside_hf_causal_lms_and_router_logits_are_typed_errors() -> None:
+    holder = nn.Module()
+    holder.net = _LabelsChild()
+    with pytest.raises(ValueError, match=r"labels=.*causal LMs.*HINT: compute the loss in training_step"):
+        split_kwargs(Entry("net"), holder, {"x": torch.ones(2, 4), "labels": torch.ones(2)})
+    moe = HFCausalLM(family="mixtral", loss="labels", n_layer=2, config={"output_router_logits": True})
+    with pytest.raises(ValueError, match=r"output_router_logits.*router logits on the last stage"):
+        split_kwargs(Entry("model"), moe, {"input_ids": torch.ones(2, 4, dtype=torch.long), "labels": torch.ones(2, 4)})
+
+
+def test_hf_gradient_checkpointing_recomputes_traced_layers() -> None:
+    """export traces through HF's checkpoint call; the stage's layers are re-wrapped and recompute in backward."""
+    torch.manual_seed(0)
+    module = HFCausalLM(family="llama", n_layer=2, gradient_checkpointing=True)
+    x = torch.randint(0, 64, (4, 16))
+    plan = plan_pipeline(module, 2)
+    assert plan.source == "base_model_pp_plan"
+    with tracing_forward(module, Entry("")):
+        traced = trace_pipeline(module, (x,), {}, plan=plan, microbatches=1, build_eval=False)
+    stages = [traced.train.get_stage_module(k) for k in range(2)]
+    layers = [m for s in stages for m in s.modules() if isinstance(m.__dict__.get("forward"), CheckpointedForward)]
+    assert len(layers) == 2
+    calls = [0]
+    for layer in layers:
+        inner = layer.forward.inner
+        layer.forward.inner = lambda *a, __inner=inner, **k: (calls.__setitem__(0, calls[0] + 1), __inner(*a, **k))[1]
+    hidden = stages[0](x)
+    out = stages[1](*hidden) if isinstance(hidden, tuple) else stages[1](hidden)
+    assert calls[0] == 2
+    out.float().pow(2).mean().backward()
+    assert calls[0] == 4, "each checkpointed layer ran again in backward"
+    reference = module(x)
+    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-6)
+

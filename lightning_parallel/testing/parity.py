@@ -86,6 +86,7 @@ class _Recorder:
                     "model": type(trainer.strategy.model).__name__,
                     "optimizer": type(trainer.optimizers[0]).__name__ if trainer.optimizers else None,
                     "local_param_numel": local,
+                    "groups": _axis_groups(dims),
                 }
 
             def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -102,6 +103,15 @@ class _Recorder:
                     self.grad_norms.append(float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))))
 
         return Recorder()
+
+
+def _axis_groups(dims: Any) -> dict[str, list[int]]:
+    """Global ranks of this rank's group on each mesh axis (where ranks sit: nodes, tp inside them)."""
+    import torch.distributed as dist
+
+    if dims is None or getattr(dims, "_mesh", None) is None:
+        return {}
+    return {name: dist.get_process_group_ranks(dims.mesh.get_group(name)) for name in dims.mesh.mesh_dim_names}
 
 
 def full_parameters(module: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -32,7 +32,7 @@ Flags: ``--world-size N`` (else ``--nodes x --devices-per-node``, else as above)
 (sequences per step; default ``data.batch_size x world size``), ``--seq-len`` (default the
 data's or model's ``block_size``), ``--dtype`` (``bf16``, ``fp16``, ``fp32``), ``--optimizer``
 (``adamw``, ``sgd``, ``sgd_momentum``), ``--3d`` (only the layouts ``strategy="3d"`` would choose
-from), ``--top K`` rows, ``--json`` (the keys are listed in README's "Dry run" section).
+from), ``--top K`` rows, ``--json`` (the keys are listed in README's section "Choosing a layout: the planner").
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ possible (4 devices and a dense model: only tp2 x pp2), it gets both; with MoE l
 parallelism counts as a model-parallel axis (4 devices: pp2 x dp2 with ep2, or tp2 x pp2 with
 the experts replicated, whichever the planner predicts faster; 8 devices: all four axes). The
 unrestricted best (often plain data parallelism for a small model) is what the dry run
-``python -m lightning_parallel.plan plan.search=true`` ranks first.
+``python -m lightning_parallel.plan --search`` ranks first (``--3d`` shows what ``3d`` chooses from).
 
 Options given to the strategy are kept (ZeRO stage, activation checkpointing, schedule,
 microbatches, an int ``data_parallel_size`` or ``expert_parallel_size``); the planner fills in

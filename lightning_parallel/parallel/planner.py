@@ -128,12 +128,12 @@ class PlanResult:
         """The rank-0 log text: choice, runner-up, why faster layouts were rejected."""
         c = self.chosen
         head = (f"planner: {c.layout.describe()} for {self.model} on {self.world_size} x {self.hardware.name} "
-                f"({self.device_memory / GiB:.1f} GiB each): predicted {c.peak_bytes / GiB:.2f} GiB per rank, "
+                f"({self.device_memory / GiB:.1f} GiB each): predicted {_size(c.peak_bytes)} per rank, "
                 f"step {_seconds(c.step_time)} ({c.tokens_per_second_per_device:,.0f} tokens/s per device)")
         lines = [head]
         r = self.runner_up
         if r is not None:
-            lines.append(f"  runner-up: {r.layout.describe()}: {r.peak_bytes / GiB:.2f} GiB, step {_seconds(r.step_time)}")
+            lines.append(f"  runner-up: {r.layout.describe()}: {_size(r.peak_bytes)}, step {_seconds(r.step_time)}")
         for rej in self.faster_rejected():
             lines.append(f"  faster but rejected: {rej.what} (step {_seconds(rej.prediction.step_time)}): {rej.reason}")  # type: ignore[union-attr]
         for rej in self.structural():
@@ -177,6 +177,10 @@ class PlanResult:
 
     def dumps(self, limit: int = 20) -> str:
         return json.dumps(self.to_json(limit), indent=2)
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / GiB:.2f} GiB" if nbytes >= 0.1 * GiB else f"{nbytes / 2**20:.1f} MiB"
 
 
 def _seconds(t: float) -> str:

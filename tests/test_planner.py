@@ -154,3 +154,27 @@ def test_section_5_1_advice_comes_out_of_the_model() -> None:
     assert g.zero_stage >= 1 or g.tp * g.pp > 1  # a whole replica (~210 GB of state) cannot fit: sharded or split
     h = plan_layouts(huge, 256, global_batch=512, hardware="a100-80gb", space=quick).chosen.layout
     assert h.model_axes >= 1 and h.dp > 1 and h.tp * h.pp > 1  # hybrid: data x model parallel
+
+
+def test_strategy_3d_keeps_explicit_options_and_logs_the_choice() -> None:
+    from lightning_parallel.strategies.registry import strategy_from_name
+
+    def resolve(world: int, **options: Any) -> Any:
+        strategy = strategy_from_name("3d", **options)
+        strategy.parallel_devices = [torch.device("cpu")] * world
+        strategy.connect(GPT(**KW))
+        dims = strategy.resolve_dims(world)
+        return dims, strategy._degree_choice[1]
+
+    dims, choice = resolve(4)
+    assert (dims.tp, dims.pp) == (2, 2) and choice.explain().startswith("3d degrees: dp=1 x tp=2 x pp=2")
+    assert "\nplanner: dp1 x tp2 x pp2 zero0 1f1b m2 for GPT on 4 x cpu" in choice.explain()
+    # Activation checkpointing is refused inside pipeline stages: the planner keeps the option and
+    # says why the (faster) pipelined layouts were rejected, in the strategy's own words.
+    dims, choice = resolve(4, activation_checkpointing=True)
+    assert dims.pp == 1 and dims.tp == 2 and all(p.layout.activation_checkpointing for p in choice.plan.ranked)
+    assert "faster but rejected: dp2 x tp1 x pp2 zero0 ac 1f1b m2" in choice.explain()
+    assert "the strategy refuses it: `activation_checkpointing`=True is invalid" in choice.explain()
+    # A fixed data-parallel degree and ZeRO stage are kept; the planner fills in tp and pp.
+    dims, choice = resolve(8, data_parallel_size=2, zero_stage=3)
+    assert dims.dp == 2 and dims.tp * dims.pp == 4 and all(p.layout.zero_stage == 3 for p in choice.plan.ranked)

@@ -7,6 +7,7 @@ nothing printed after it; 1 when training fails on any rank, with the error last
 from __future__ import annotations
 
 import csv
+import json
 import os
 import subprocess
 import sys
@@ -84,8 +85,12 @@ def test_the_launching_rank_reports_ranks_that_fail_after_it_succeeded() -> None
     assert hung.returncode is not None and hung.returncode < 0
 
 
-def test_cli_print_config_file_fits_unchanged_then_test_and_predict_exit_0(tmp_path: Path) -> None:
-    printed = cli(["fit", "--config", str(ROOT / "examples" / "cli_config.yaml"), *SMALL, "--print_config"], tmp_path)
+def test_cli_print_config_file_fits_unchanged_then_validate_test_predict_exit_0(tmp_path: Path) -> None:
+    # The example config, its strategy given as class + init args on the command line (dp2, ZeRO-1).
+    strategy = ["--trainer.strategy=lightning_parallel.HybridParallelStrategy",
+                "--trainer.strategy.data_parallel_size=2", "--trainer.strategy.zero_stage=1"]
+    printed = cli(["fit", "--config", str(ROOT / "examples" / "cli_config.yaml"), *strategy, *SMALL, "--print_config"],
+                  tmp_path)
     assert printed.returncode == 0, printed.stderr[-3000:]
     config_file = tmp_path / "printed.yaml"
     config_file.write_text(printed.stdout)
@@ -97,15 +102,16 @@ def test_cli_print_config_file_fits_unchanged_then_test_and_predict_exit_0(tmp_p
     (run_dir,) = list((tmp_path / "lightning_logs").iterdir())
     saved = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert saved == yaml.safe_load(printed.stdout)  # the file trained exactly as printed
+    assert json.loads((run_dir / "parallelism.json").read_text())["data_parallel_replicas"] == 2
     (ckpt,) = list((run_dir / "checkpoints").iterdir())
 
     outputs = {}
-    for subcommand in ("test", "predict"):
+    for subcommand in ("validate", "test", "predict"):
         proc = cli([subcommand, "--config", str(config_file), f"--ckpt_path={ckpt}"], tmp_path)
         assert proc.returncode == 0, f"{subcommand}: {proc.stderr[-3000:]}"
         assert REPR not in proc.stdout + proc.stderr
         outputs[subcommand] = proc.stdout
-    assert "test_loss" in outputs["test"]
+    assert "val_loss" in outputs["validate"] and "test_loss" in outputs["test"]
 
 
 @pytest.mark.parametrize("rank", [1, 0], ids=["launched-rank", "launching-rank"])

@@ -26,7 +26,7 @@ from torch.utils.data import Subset, TensorDataset
 
 from lightning_parallel.testing import run_distributed
 from lightning_parallel.testing.parity import FitSpec, run_fit, run_fits
-from tests.test_data_parallel import assert_parity
+from tests.test_data_parallel import HYBRID, assert_parity
 
 RM = "lightning_parallel.testing.real_models"
 CLIP = 0.5
@@ -63,6 +63,8 @@ TWO_RANK_CASES: list[tuple[str, FitSpec]] = [
     ("llama zero3 HF gradient checkpointing labels=", _lm("llama", "zero3", loss="labels", gradient_checkpointing=True)),
     ("mixtral ep2", _lm("mixtral", "ep")),
     ("qwen2_moe ep2", _lm("qwen2_moe", "ep")),
+    ("qwen2_moe ep2 zero3", dataclasses.replace(_lm("qwen2_moe", "ep"), strategy={"class": HYBRID, "expert_parallel_size": 2,
+                                                                                  "zero_stage": 3})),
     ("resnet18 zero2 sync_batchnorm", _vision("resnet18", "zero2", sync_batchnorm=True)),
     ("vit zero1", _vision("vit", "zero1")),
 ]
@@ -96,6 +98,7 @@ def test_real_models_under_data_and_expert_parallel_presets_match_one_process() 
     for label in ("mixtral ep2", "qwen2_moe ep2"):  # experts split in two, the rest (incl. qwen2_moe's shared expert) whole
         experts = sum(v.numel() for k, v in results[0][index[label]]["params"].items() if ".experts." in k)
         assert experts > 0 and layouts[label]["local_param_numel"] == total[label] - experts // 2, label
+    assert layouts["qwen2_moe ep2 zero3"]["local_param_numel"] < 0.6 * total["qwen2_moe ep2 zero3"]  # the rest sharded too
     # Padded batches, loss from labels= (a mean over each rank's unpadded tokens): rank r's step k is
     # batch 2k + r of one process accumulating the same per-rank batches over two.
     reference = run_fit(dataclasses.replace(
@@ -115,9 +118,15 @@ def test_real_models_under_data_and_expert_parallel_presets_match_one_process() 
 
 def test_real_models_under_hsdp_on_four_ranks_match_one_process() -> None:
     cases = [("resnet18 hsdp sync_batchnorm", dataclasses.replace(_vision("resnet18", "hsdp", sync_batchnorm=True), devices=4)),
-             ("mixtral hsdp", dataclasses.replace(_lm("mixtral", "hsdp"), devices=4))]
+             ("mixtral hsdp", dataclasses.replace(_lm("mixtral", "hsdp"), devices=4)),
+             # experts over ep2, their gradients averaged over the two ranks holding the same experts (edp2)
+             ("qwen2_moe ep2 x edp2", dataclasses.replace(_lm("qwen2_moe", "ep"), devices=4,
+                                                          strategy={"class": HYBRID, "expert_parallel_size": 2}))]
     results = run_distributed(run_fits, 4, [spec for _, spec in cases], init_backend=None, timeout=600)
     for i, (label, spec) in enumerate(cases):
         assert_parity(_mean_over_ranks(results, i), _reference(spec), label, per_tensor=True, metrics=False)
         total = sum(p.numel() for p in results[0][i]["params"].values())
-        assert 0.4 * total < results[0][i]["layout"]["local_param_numel"] < 0.6 * total, label  # 2 x 2: shard in pairs
+        if "hsdp" in label:
+            assert 0.4 * total < results[0][i]["layout"]["local_param_numel"] < 0.6 * total, label  # 2 x 2: shard in pairs
+    experts = sum(v.numel() for k, v in results[0][2]["params"].items() if ".experts." in k)
+    assert results[0][2]["layout"]["local_param_numel"] == total - experts // 2

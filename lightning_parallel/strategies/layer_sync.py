@@ -10,6 +10,10 @@ a user's own plugin is applied as Lightning would.
 
 Without the flag each data-parallel rank normalises with its own batch's statistics (as under
 Lightning's DDP): such a model matches one process only up to that difference.
+
+Unlike Lightning's DDP this does not revert the conversion at teardown: the module keeps its
+layout for a later ``validate``/``test`` (see ``HybridParallelStrategy._parallelize``), and a
+converted layer outside training, or with no process group, is a plain batch norm.
 """
 
 from __future__ import annotations

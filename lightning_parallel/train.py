@@ -148,8 +148,9 @@ def run() -> int:
     exits 1 too but skips the sweep's reports, which are written here before leaving."""
     try:
         main()
-    except SystemExit as stop:
-        if _sweep_failures() and stop.code in (None, 0):
+    except BaseException as stop:  # SystemExit from Hydra; an exception itself with HYDRA_FULL_ERROR=1; Ctrl-C
+        failed = _sweep_failures()
+        if isinstance(stop, SystemExit) and stop.code in (None, 0) and failed:
             raise SystemExit(1) from stop
         raise
     return 1 if _sweep_failures() else 0

@@ -27,6 +27,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lightning_parallel.parallel.pipeline import CheckpointedForward, trace_pipeline
 from lightning_parallel.parallel.pipeline_plan import plan_pipeline
@@ -44,8 +45,9 @@ MICROBATCHES = 2  # pp's default for 2 ranks
 
 class ProbedHFCausalLM(HFCausalLM):
     """``HFCausalLM`` unchanged, plus a record (after fit, per rank) of what the pipeline did with
-    it: how many traced layers recompute in backward, and the value of the tied embedding this
-    rank holds (GPT-2's ``wte`` = ``lm_head``, used on the first and the last stage)."""
+    it: how many traced layers recompute in backward, the value of the tied embedding this rank
+    holds (GPT-2's ``wte`` = ``lm_head``, used on the first and the last stage), and how many
+    parameter elements the rank keeps."""
 
     records: dict[str, Any] = {}
 
@@ -55,8 +57,10 @@ class ProbedHFCausalLM(HFCausalLM):
         checkpointed = sum(isinstance(m.__dict__.get("forward"), CheckpointedForward) for s in stages for m in s.modules())
         head = self.model.get_output_embeddings().weight
         tied = head is self.model.get_input_embeddings().weight
+        local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in self.parameters())
         ProbedHFCausalLM.records[self.family] = {
             "checkpointed": checkpointed, "tied": tied, "head": head.detach().clone() if head.numel() else None,
+            "local_numel": local,  # what this rank holds after the layout (released copies count 0)
         }
 
 

@@ -8,8 +8,10 @@ tensor parallelism is applied to what the split produced: each stage's traced gr
 A traced graph no longer has ``nn.Linear`` modules to wrap with ``ColwiseParallel``; it has
 aten ops on parameters that keep their original names. So the plan (module -> style, from
 :mod:`~lightning_parallel.parallel.tp_plan`, the same one ``tp`` uses) becomes a placement per
-parameter (column-parallel weight and bias: ``Shard(0)``; row-parallel weight: ``Shard(1)``;
-vocabulary-parallel embedding: ``Shard(0)``), every such parameter becomes a DTensor on the
+parameter, the one eager ``tp`` gives it (column-parallel weight and bias: ``Shard(0)``, a
+``Conv1D``'s transposed weight ``Shard(1)``, a packed ``[q | k | v]`` / ``[gate | up]`` output
+``_StridedShard``; row-parallel weight: ``Shard(1)``; vocabulary-parallel embedding:
+``Shard(0)``), every such parameter becomes a DTensor on the
 tensor-parallel mesh, and the stage graph runs as it was traced, in DTensor's global
 semantics: a column-parallel matmul yields a feature-sharded activation, the traced reshapes
 with the global head count stay sharded along the heads, the row-parallel matmul yields a
@@ -40,7 +42,7 @@ import torch
 from torch import Tensor, fx, nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Placement, Replicate, distribute_tensor
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.optim import Optimizer
@@ -49,7 +51,8 @@ from torch.utils._pytree import tree_map
 from lightning_parallel.parallel.errors import config_error
 from lightning_parallel.parallel.tensor_parallel import _grad_to_param_layout
 from lightning_parallel.parallel.tp_attention import ReplicateMixedMode, full_value
-from lightning_parallel.parallel.tp_plan import TensorParallelPlan, sharded_dims
+from lightning_parallel.parallel.tp_fused import packed_placement
+from lightning_parallel.parallel.tp_plan import TensorParallelPlan, plan_param_shard
 
 
 def parameter_placements(module: nn.Module, plan: TensorParallelPlan) -> dict[str, list[Placement]]:
@@ -61,11 +64,14 @@ def parameter_placements(module: nn.Module, plan: TensorParallelPlan) -> dict[st
     out: dict[str, list[Placement]] = {}
     for mod_name, style in plan.styles.items():
         for local, param in module.get_submodule(mod_name).named_parameters(recurse=False):
-            dim = sharded_dims(style, local)
-            if dim is None:
+            # The same (dim, parts) as eager tensor parallelism: Conv1D's transposed weight, and
+            # _StridedShard for a packed output ([q | k | v], [gate | up]) so each rank holds its
+            # slice of every part and the traced head reshapes stay local.
+            shard = plan_param_shard(plan, module, mod_name, local)
+            if shard is None:
                 continue
             name = canonical[id(param)]
-            placement: list[Placement] = [Shard(dim)]
+            placement: list[Placement] = [packed_placement(shard[0], shard[1], param.ndim)]
             if name in out and out[name] != placement:
                 raise config_error(
                     ValueError, "tp_plan", f"{mod_name}: {style}",

@@ -6,7 +6,7 @@ the layout is applied; then each rank allocates only its part and initialises it
 build would (see :mod:`lightning_parallel.parallel.materialize`). Checked per layout, against
 one process that builds the same module eagerly from the same seed and trains it:
 
-* the initial parameters are bit-for-bit the eager ones (gathered at ``on_train_start``);
+* the initial parameters are bit-for-bit the eager ones (gathered before the first optimizer step);
 * per-step losses and final parameters match (parity, relative 1e-5);
 * each rank's materialised storage is its share (shards, not the model), and the largest
   initialisation temporary is one module's own tensors, far below the model.
@@ -48,9 +48,10 @@ def run_meta_fit(spec: FitSpec, build: str) -> dict[str, Any]:
     recorder = _Recorder()
     initial: dict[str, torch.Tensor] = {}
 
-    class Initial(pl.Callback):
-        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-            initial.update(full_parameters(pl_module))
+    class Initial(pl.Callback):  # before the first update (pipelines materialise their stages in the first step)
+        def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+            if not initial:
+                initial.update(full_parameters(pl_module))
 
     trainer = pl.Trainer(accelerator="cpu", devices=spec.devices, strategy=_make_strategy(spec.strategy),
                          max_steps=spec.max_steps, use_distributed_sampler=False, logger=False,
@@ -129,17 +130,23 @@ def test_meta_init_two_ranks_every_layout() -> None:
         ("zero2 gpt2 (tied embeddings)", _hf("gpt2", "zero2", 2), "init_module", 0.55),
         ("tp2 llama", _hf("llama", "tp", 2), "meta", 0.6),
         ("ep2 mixtral", _hf("mixtral", {"class": HYBRID, "expert_parallel_size": 2}, 2), "init_module", 0.85),
+        ("pp2 llama (traced on meta, own stage only)", _hf("llama", "pp", 2), "init_module", 0.62),
     ]
     _check(cases, 2)
 
 
 @pytest.mark.slow
-def test_meta_init_four_ranks_dp_x_tp_and_hsdp() -> None:
+def test_meta_init_four_ranks_dp_x_tp_hsdp_and_pipelines() -> None:
     cases = [
         ("dp2 x tp2 zero3 qwen2", _hf("qwen2", {"class": HYBRID, "tensor_parallel_size": 2, "zero_stage": 3}, 4),
          "init_module", 0.3),
         ("hsdp 2 x 2 llama", _hf("llama", {"class": HYBRID, "zero_stage": 3, "hybrid_shard": True,
                                             "data_parallel_replicate_size": 2}, 4), "init_module", 0.55),
+        ("pp2 x tp2 llama", _hf("llama", {"class": HYBRID, "pipeline_parallel_size": 2, "tensor_parallel_size": 2}, 4),
+         "init_module", 0.35),
+        # ZeRO on pipeline stages: the whole model is materialised before tracing, then released (see pipeline_meta.py)
+        ("dp2 x pp2 zero1 llama", _hf("llama", {"class": HYBRID, "pipeline_parallel_size": 2, "zero_stage": 1}, 4),
+         "init_module", 1.0),
     ]
     _check(cases, 4)
 

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -90,7 +90,7 @@ class MaterializeReport:
     sources: dict[str, str] = field(default_factory=dict)
     peak_temporary_bytes: int = 0
     local_bytes: int = 0
-    unverified: list[str] = field(default_factory=list)  # bool buffers: no poison value exists
+    replaced: dict[Tensor, Tensor] = field(default_factory=dict)  # in_place: tensors that had to be new objects
 
 
 def has_meta_tensors(module: nn.Module) -> bool:
@@ -133,8 +133,9 @@ def _written_mask(temp: Tensor) -> Tensor | None:
 class _Materializer:
     """One replay over a module tree; see the module docstring for the order and the rules."""
 
-    def __init__(self, root: nn.Module, meta_names: set[str]) -> None:
+    def __init__(self, root: nn.Module, meta_names: set[str], full_shapes: dict[str, torch.Size] | None = None) -> None:
         self.root = root
+        self.full_shapes = dict(full_shapes or {})  # released pipeline tensors: their shape before release
         self.paths = {id(m): p for p, m in root.named_modules(remove_duplicate=True)}
         # A tied tensor keeps the value its first owner (in module order) gives it; later owners'
         # inits still run, on a throw-away copy, so the random stream is the eager one.
@@ -160,7 +161,8 @@ class _Materializer:
         for mod in modules:
             for kind, name, real in _own_tensors(mod):
                 local_device = real.to_local().device if isinstance(real, DTensor) else real.device
-                temp = _poison(torch.empty(real.shape, dtype=real.dtype, device=local_device))
+                shape = self.full_shapes.get(_join(self.paths.get(id(mod), "?"), name), real.shape)
+                temp = _poison(torch.empty(shape, dtype=real.dtype, device=local_device))
                 getattr(mod, kind)[name] = temp
                 saved.append((mod, kind, name, real, temp))
                 nbytes += temp.numel() * temp.element_size()
@@ -181,6 +183,9 @@ class _Materializer:
         """Copy what the init wrote into this rank's part of ``real``. A tensor the init did not
         touch keeps its earlier value (a parent's init sees its children's tensors too); one it
         wrote in part (a padding row) gets that part; one never written whole is an error."""
+        if (real.to_local() if isinstance(real, DTensor) else real).numel() == 0 and temp.numel() > 0:
+            self.status[fqn] = "ok"  # released: another pipeline stage owns it (its init still ran, for the stream)
+            return
         written = _written_mask(temp)
         if written is None or bool(written.all()):
             _copy_into(real, temp)
@@ -308,8 +313,37 @@ def _retie(module: nn.Module, groups: list[list[tuple[str, str, str]]]) -> None:
             getattr(module.get_submodule(other_path), other_kind)[other_name] = shared
 
 
+def _allocate_in_place(module: nn.Module, device: torch.device, also: Sequence[nn.Module]) -> dict[Tensor, Tensor]:
+    """Give every meta tensor storage on ``device`` keeping its Python object (``swap_tensors``), so
+    every holder (pipeline stage modules, an optimizer built before, tied aliases) sees it. A tensor
+    that cannot be swapped (a weak reference to it exists) is replaced by a new one in ``module``
+    and ``also``; the returned ``{old: new}`` tells the caller what else to re-point (optimizers)."""
+    replaced: dict[Tensor, Tensor] = {}
+    for tensor in {id(t): t for t in _tensors(module)}.values():
+        if not tensor.is_meta:
+            continue
+        new = torch.empty_like(tensor, device=device)
+        if isinstance(tensor, nn.Parameter):
+            new = nn.Parameter(new, requires_grad=tensor.requires_grad)
+        try:
+            torch.utils.swap_tensors(tensor, new)
+        except RuntimeError:
+            replaced[tensor] = new
+    if replaced:
+        by_id = {id(old): new for old, new in replaced.items()}
+        for root in (module, *also):
+            for mod in root.modules():
+                for kind in ("_parameters", "_buffers"):
+                    slots = getattr(mod, kind)
+                    for name, value in slots.items():
+                        if value is not None and id(value) in by_id:
+                            slots[name] = by_id[id(value)]
+    return replaced
+
+
 def materialize_meta_module(
-    module: nn.Module, device: torch.device, rng: RngSnapshot | None = None, buffer_device: torch.device | None = None
+    module: nn.Module, device: torch.device, rng: RngSnapshot | None = None, buffer_device: torch.device | None = None,
+    in_place: bool = False, also: Sequence[nn.Module] = (), full_shapes: dict[str, torch.Size] | None = None,
 ) -> MaterializeReport:
     """Allocate this rank's part of every meta tensor of ``module`` on ``device`` and initialise
     it as one process building the model eagerly would (see the module docstring).
@@ -317,17 +351,27 @@ def materialize_meta_module(
     ``rng``: the random state the model was built with (the strategy records it when its
     ``tensor_init_context`` is entered); default, the current state. ``buffer_device``: where
     buffers live when parameters do not (FSDP2 CPU offload: parameters on the CPU, buffers on
-    the accelerator); default ``device``. A no-op without meta
+    the accelerator); default ``device``. ``in_place``: keep each tensor's Python object (for
+    pipeline stages sharing the module's parameters; not for FSDP2 modules, whose ``_apply``
+    re-registers its shards); ``also``: other module trees holding the same tensors (pipeline
+    stages), updated where a tensor had to be replaced (``report.replaced``); ``full_shapes``: the
+    shapes of tensors a pipeline rank released (their init still runs, on full-size temporaries). Tensors whose local part is empty (released by a pipeline rank)
+    stay empty. A no-op without meta
     tensors. Runs no collective; raises ``TypeError`` naming every tensor nothing initialised.
     """
     report = MaterializeReport()
     if not has_meta_tensors(module):
         return report
     born_meta = {_join(p, n) for p, m in module.named_modules(remove_duplicate=False) for _, n, t in _own_tensors(m) if t.is_meta}
-    ties = _tied_groups(module)
-    module._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
-    _retie(module, ties)  # _apply allocates per owner: a tied parameter would become two
-    work = _Materializer(module, born_meta)  # tensor identities are read after _apply (buffers are new objects)
+    replaced: dict[Tensor, Tensor] = {}
+    if in_place:
+        replaced = _allocate_in_place(module, device, also)
+    else:
+        ties = _tied_groups(module)
+        module._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
+        _retie(module, ties)  # _apply allocates per owner: a tied parameter would become two
+    work = _Materializer(module, born_meta, full_shapes)  # tensor identities are read after _apply (buffers are new objects)
+    work.report.replaced = replaced
     for mod in module.modules():  # what a nested Hugging Face model's init marks done
         mod.__dict__.pop("_is_hf_initialized", None)
     with (rng or RngSnapshot.capture(device)).applied(), torch.no_grad():

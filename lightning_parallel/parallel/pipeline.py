@@ -327,7 +327,8 @@ class PipelineRuntime:
         used = {id(t) for s in self.stage_modules() for t in (*s.parameters(), *s.buffers())}
         if self._used_anywhere is not None:
             used |= {id(t) for t in (*self.module.parameters(), *self.module.buffers())} - self._used_anywhere
-        kept = {t.untyped_storage().data_ptr() for s in self.stage_modules() for t in (*s.parameters(), *s.buffers())}
+        # (meta tensors of a model built on the meta device have no storage: every data_ptr() is 0)
+        kept = {t.untyped_storage().data_ptr() for s in self.stage_modules() for t in (*s.parameters(), *s.buffers()) if not t.is_meta}
         released: dict[str, torch.Size] = {}
         with torch.no_grad():
             for name, tensor in (*self.module.named_parameters(), *self.module.named_buffers()):

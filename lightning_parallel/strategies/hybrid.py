@@ -15,7 +15,7 @@ ever waits on a collective because of a configuration error.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -601,16 +601,20 @@ class HybridParallelStrategy(ParallelStrategy):
         with torch.device("meta"), self.precision_plugin.tensor_init_context():
             yield
 
-    def _materialize(self, module: nn.Module, in_place: bool = False) -> None:
+    def _materialize(
+        self, module: nn.Module, in_place: bool = False, also: Sequence[nn.Module] = (), full_shapes: dict[str, Any] | None = None
+    ) -> dict[Tensor, Tensor]:
         """Allocate and initialise this rank's part of a meta-built model (no-op otherwise; no collective).
-        ``in_place``: pipeline stages share the module's parameter objects (see parallel/pipeline_meta.py)."""
+        ``in_place``: pipeline stages (``also``) share the module's parameter objects (see parallel/pipeline_meta.py);
+        returns the tensors that had to be replaced by new objects, for the optimizers."""
         if not has_meta_tensors(module):
-            return
+            return {}
         device = torch.device("cpu") if self.cpu_offload else self.root_device  # FSDP2 offload keeps shards on the CPU
         report = materialize_meta_module(module, device, getattr(self, "_meta_rng", None), buffer_device=self.root_device,
-                                         in_place=in_place)
+                                         in_place=in_place, also=also, full_shapes=full_shapes)
         self._meta_report = report  # for the monitor and the tests: what this rank holds, the largest temporary
         run_pending_loads(module)  # load_pretrained(...) on the meta model: each rank reads the slices it holds
+        return report.replaced
         rank_zero_info(
             f"Materialised the meta-device model: {report.local_bytes / 2**20:.1f} MiB held on rank 0, largest"
             f" initialisation temporary {report.peak_temporary_bytes / 2**20:.1f} MiB"

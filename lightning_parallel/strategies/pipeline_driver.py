@@ -59,6 +59,7 @@ from lightning_parallel.parallel.pipeline_tp import (
     local_part,
     swap_optimizer_parameters,
 )
+from lightning_parallel.parallel.pipeline_meta import retarget_devices, to_meta
 from lightning_parallel.parallel.pipeline_plan import PipelinePlan, plan_pipeline
 from lightning_parallel.parallel.pipeline_schedules import (
     ScheduleSpec,
@@ -207,7 +208,10 @@ class PipelineDriver:
         if isinstance(probe, StepDone):
             return  # nothing to trace from this hook; a later one will
         entry = Entry(probe[0])
-        calls = count_forward_calls(self.module, hook, args, kwargs, entry=entry.name)
+        # A meta-built model is counted and traced on meta inputs of the batch's shapes (parallel/pipeline_meta.py).
+        meta = any(p.is_meta for p in self.module.parameters())
+        counted = (to_meta(args), to_meta(kwargs)) if meta else (args, kwargs)
+        calls = count_forward_calls(self.module, hook, *counted, entry=entry.name)
         if calls > 1:
             raise forward_twice_error(hook, entry.describe())
         traced_kwargs, _ = split_kwargs(entry, self.module, probe[2])
@@ -216,8 +220,8 @@ class PipelineDriver:
         with tracing_forward(self.module, entry):
             self._runtime = build_pipeline(
                 self.module,
-                probe[1],
-                traced_kwargs,
+                to_meta(probe[1]) if meta else probe[1],
+                to_meta(traced_kwargs) if meta else traced_kwargs,
                 plan=cfg.plan,
                 schedule=cfg.spec,
                 microbatches=cfg.microbatches,
@@ -238,6 +242,11 @@ class PipelineDriver:
             swap_optimizer_parameters(self._optimizers(), mapping)
             for stage_module in self._runtime.stage_modules():
                 replicate_opaque_calls(stage_module)
+        if meta:  # allocate and initialise only what this rank's stages kept (tp shards included)
+            retarget_devices(self._runtime.stage_modules(), self.device)
+            replaced = self.strategy._materialize(self.module, in_place=True, also=self._runtime.stage_modules(),
+                                                  full_shapes=self._runtime.released)
+            swap_optimizer_parameters(self._optimizers(), {o: n for o, n in replaced.items() if isinstance(o, nn.Parameter)})
         if self.dims.ep > 1:  # -> expert parallel: shard the experts this rank's stages kept
             mapping = apply_stage_expert_parallel(
                 self.module, self._runtime.stage_modules(), self._runtime.owned_parameter_names(), self.dims.axis(EP), self.dims.axis(DP)

@@ -137,27 +137,49 @@ def _load_zero1_state(module: nn.Module, optimizer: ZeroRedundancyOptimizer, sta
     optimizer.load_state_dict({"state": {index[n]: s for n, s in state["state"].items()}, "param_groups": groups})
 
 
-def save_sharded(checkpoint: dict[str, Any], path: Path, zero1: bool) -> None:
-    """Write ``checkpoint`` as a DCP directory (collective: every rank calls it)."""
+def split_checkpoint(checkpoint: dict[str, Any], zero1: bool) -> dict[str, Any]:
+    """Move the tensors DCP writes (model, sharded optimizer states) out of ``checkpoint`` into
+    the returned state; what stays in ``checkpoint`` (loops, callbacks, ZeRO-1's consolidated
+    optimizer states) is written by rank 0 as ``meta.pt``."""
     state: dict[str, Any] = {"state_dict": checkpoint.pop("state_dict")}
     for idx, optim in enumerate(checkpoint.pop("optimizer_states", [])):
         if zero1:
             checkpoint.setdefault(ZERO1_KEY, {})[idx] = optim
         else:
             state[f"optimizer_{idx}"] = optim
-    partial, previous = _scratch_names(path)
+    return state
+
+
+def begin_sharded_save(path: Path) -> Path:
+    """Create the empty scratch directory of a save of ``path`` (collective: a barrier); return it."""
+    partial, _ = _scratch_names(path)
     if dist.get_rank() == 0:
         _remove(partial)
         partial.mkdir(parents=True)
     dist.barrier()
+    return partial
+
+
+def finish_sharded_save(meta: dict[str, Any], path: Path) -> None:
+    """Rank 0, once every rank's shards are in the scratch directory: add ``meta.pt`` and put the
+    directory in place of ``path``. Until this rename, ``path`` is the previous complete save."""
+    if dist.get_rank() != 0:
+        return
+    partial, previous = _scratch_names(path)
+    torch.save(meta, partial / META_FILENAME)
+    _remove(previous)
+    if path.exists():
+        path.rename(previous)
+    partial.rename(path)
+    _remove(previous)
+
+
+def save_sharded(checkpoint: dict[str, Any], path: Path, zero1: bool) -> None:
+    """Write ``checkpoint`` as a DCP directory (collective: every rank calls it)."""
+    state = split_checkpoint(checkpoint, zero1)
+    partial = begin_sharded_save(path)
     dcp.save(state, checkpoint_id=str(partial))
-    if dist.get_rank() == 0:
-        torch.save(checkpoint, partial / META_FILENAME)
-        _remove(previous)
-        if path.exists():
-            path.rename(previous)
-        partial.rename(path)
-        _remove(previous)
+    finish_sharded_save(checkpoint, path)
     dist.barrier()
 
 

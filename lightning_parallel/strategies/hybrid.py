@@ -39,7 +39,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
@@ -74,6 +74,7 @@ from lightning_parallel.strategies.resume import (
     make_resumable,
     restore_rng_state,
 )
+from lightning_parallel.strategies.async_checkpoint import AsyncCheckpointWriter
 from lightning_parallel.strategies.nonfinite import NonFiniteGuard, NonFiniteMode, validate_nonfinite
 from lightning_parallel.strategies.process_group import init_process_group
 from lightning_parallel.strategies.options import as_timedelta, validate_more_options, validate_options
@@ -138,6 +139,8 @@ class HybridParallelStrategy(ParallelStrategy):
             and replicate across groups (``"auto"``: one group per node).
         ddp_bucket_cap_mb: DDP gradient bucket size; smaller buckets start communicating sooner.
         save_distributed_checkpoint: sharded DCP directory (default) or one consolidated file.
+        async_save: write sharded checkpoints in the background (DCP ``async_save``): the step
+            blocks only to copy the shards to CPU memory (see ``strategies/async_checkpoint.py``).
         on_nonfinite: a non-finite loss or gradient on any rank: ``"error"`` (default) stops every
             rank together naming the step and the first parameter, ``"skip"`` drops the step on
             every rank, ``"off"`` does not check (see ``strategies/nonfinite.py``).
@@ -174,6 +177,7 @@ class HybridParallelStrategy(ParallelStrategy):
         ddp_bucket_cap_mb: float = 25.0,
         find_unused_parameters: bool = False,
         save_distributed_checkpoint: bool = True,
+        async_save: bool = False,
         on_nonfinite: NonFiniteMode = "error",
         max_nonfinite_skips: int = 3,
         process_group_backend: str | None = None,
@@ -215,6 +219,7 @@ class HybridParallelStrategy(ParallelStrategy):
             find_unused_parameters=find_unused_parameters,
             save_distributed_checkpoint=save_distributed_checkpoint,
             process_group_backend=process_group_backend,
+            async_save=async_save,
         )
         validate_nonfinite(on_nonfinite, max_nonfinite_skips)
         super().__init__(
@@ -250,6 +255,7 @@ class HybridParallelStrategy(ParallelStrategy):
         self.ddp_bucket_cap_mb = ddp_bucket_cap_mb
         self.find_unused_parameters = find_unused_parameters
         self._save_distributed_checkpoint = save_distributed_checkpoint
+        self._async_writer = AsyncCheckpointWriter() if async_save else None
         self._nonfinite = NonFiniteGuard(on_nonfinite, max_nonfinite_skips)
         self._process_group_backend = process_group_backend
         self._timeout = as_timedelta(timeout)
@@ -769,7 +775,10 @@ class HybridParallelStrategy(ParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         target = self.broadcast(str(filepath))
         checkpoint[RNG_KEY] = gather_rng_states()
-        if self._save_distributed_checkpoint:
+        if self._async_writer is not None and self._fitting_now():
+            self._async_writer.save(checkpoint, ckpt.local_path(target, "async_save=True"),
+                                    zero1=self._uses_zero_redundancy_optimizer)
+        elif self._save_distributed_checkpoint:
             ckpt.save_sharded(checkpoint, ckpt.local_path(target, "save_distributed_checkpoint=True"),
                               zero1=self._uses_zero_redundancy_optimizer)
         else:  # the string as given: Lightning's checkpoint IO writes fsspec URLs (s3://, gs://) itself
@@ -777,6 +786,7 @@ class HybridParallelStrategy(ParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        self.finish_pending_save()  # a checkpoint still being written in the background is complete first
         path = ckpt.local_path(self.broadcast(str(checkpoint_path)), "loading a checkpoint")
         assert self.lightning_module is not None
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
@@ -828,8 +838,25 @@ class HybridParallelStrategy(ParallelStrategy):
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         """Already loaded in place by ``load_checkpoint`` (with resharding)."""
 
+    def _fitting_now(self) -> bool:
+        """Saves during ``fit`` go to the background; one after it (``trainer.save_checkpoint`` once
+        fit returned) is written at once: no later save, load or teardown would complete it."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        return trainer is not None and trainer.state.fn == TrainerFn.FITTING and trainer.state.status == TrainerStatus.RUNNING
+
+    def finish_pending_save(self) -> None:
+        """Wait for a background save (``async_save=True``) and put it in place (collective)."""
+        if self._async_writer is not None and self._async_writer.pending:
+            self._async_writer.wait()
+
+    def _close_async_writer(self) -> None:
+        if self._async_writer is not None:
+            self._async_writer.close()
+
     @override
     def teardown(self) -> None:
+        if _distributed_is_initialized():
+            self._close_async_writer()  # the last checkpoint is complete before the run ends
         if isinstance(self.model, (DistributedDataParallel, _StepWrapper)):
             self.model = self.lightning_module
         assert self.cluster_environment is not None and self.accelerator is not None

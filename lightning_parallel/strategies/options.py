@@ -183,6 +183,7 @@ def validate_more_options(
     find_unused_parameters: Any,
     save_distributed_checkpoint: Any,
     process_group_backend: Any,
+    async_save: Any = False,
 ) -> None:
     """The options that do not depend on the world size and that ``validate_options`` leaves out:
     checked in ``__init__`` too, so that a typo fails at construction (not when the first batch
@@ -211,5 +212,12 @@ def validate_more_options(
         raise config_error(ValueError, "ddp_bucket_cap_mb", ddp_bucket_cap_mb, "a bucket must hold more than 0 MiB", "pass ddp_bucket_cap_mb=25")
     check_bool("find_unused_parameters", find_unused_parameters)
     check_bool("save_distributed_checkpoint", save_distributed_checkpoint)
+    check_bool("async_save", async_save)
+    if async_save and not save_distributed_checkpoint:
+        raise config_error(
+            ValueError, "async_save", "True with save_distributed_checkpoint=False",
+            "background saves write sharded DCP directories; one consolidated file is gathered and written by rank 0",
+            "keep save_distributed_checkpoint=True, or use Lightning's AsyncCheckpointIO plugin for consolidated files",
+        )
     _check_backend(process_group_backend)
 

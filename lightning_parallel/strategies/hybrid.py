@@ -75,6 +75,7 @@ from lightning_parallel.strategies.resume import (
     restore_rng_state,
 )
 from lightning_parallel.strategies.async_checkpoint import AsyncCheckpointWriter
+from lightning_parallel.strategies.collective_errors import explain_collective_errors, nccl_watchdog_defaults
 from lightning_parallel.strategies.nonfinite import NonFiniteGuard, NonFiniteMode, validate_nonfinite
 from lightning_parallel.strategies.process_group import init_process_group
 from lightning_parallel.strategies.options import as_timedelta, validate_more_options, validate_options
@@ -256,6 +257,7 @@ class HybridParallelStrategy(ParallelStrategy):
         self.find_unused_parameters = find_unused_parameters
         self._save_distributed_checkpoint = save_distributed_checkpoint
         self._async_writer = AsyncCheckpointWriter() if async_save else None
+        self._axis_groups: dict[str, list[int]] | None = None  # this rank's group on each mesh axis
         self._nonfinite = NonFiniteGuard(on_nonfinite, max_nonfinite_skips)
         self._process_group_backend = process_group_backend
         self._timeout = as_timedelta(timeout)
@@ -381,8 +383,10 @@ class HybridParallelStrategy(ParallelStrategy):
             self.root_device
         )
         assert self.cluster_environment is not None
+        nccl_watchdog_defaults(self._process_group_backend)  # before the group: NCCL reads them at creation
         init_process_group(self.cluster_environment, self._process_group_backend, self._timeout)  # per-attempt store
-        self._dims.build_mesh(self.root_device.type)
+        mesh = self._dims.build_mesh(self.root_device.type)
+        self._axis_groups = {name: dist.get_process_group_ranks(mesh.get_group(name)) for name in mesh.mesh_dim_names}
         rank_zero_info(f"{type(self).__name__}: {self._dims.describe()}, zero_stage={self.zero_stage}")
 
     def _resolve_plans(self) -> None:
@@ -556,6 +560,10 @@ class HybridParallelStrategy(ParallelStrategy):
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any | None = None, **kwargs: Any) -> Any:
+        with self._explain("optimizer step (clipping, non-finite check, ZeRO)"):
+            return self._optimizer_step(optimizer, closure, model, **kwargs)
+
+    def _optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any | None = None, **kwargs: Any) -> Any:
         """Run the closure, let every rank agree that its loss and gradients are finite (see
         ``strategies/nonfinite.py``), then clip and step as Lightning would; a skipped step never
         reaches the optimizer on any rank."""
@@ -570,6 +578,11 @@ class HybridParallelStrategy(ParallelStrategy):
         if not self._nonfinite.step_is_finite(self.lightning_module, params, loss, step, self.root_device):
             return None
         return self.precision_plugin.optimizer_step(optimizer, model=model, closure=lambda: result, **kwargs)
+
+    def _explain(self, phase: str) -> contextlib.AbstractContextManager[None]:
+        """Collective timeouts and lost peers in ``phase`` re-raised with the axes' ranks (see
+        ``strategies/collective_errors.py``)."""
+        return explain_collective_errors(phase, self.global_rank, self._axis_groups, self._timeout)
 
     def _install_global_norm_clipping(self) -> None:
         """Route Lightning's norm clipping through the layout-aware global norm."""
@@ -636,6 +649,10 @@ class HybridParallelStrategy(ParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._explain("forward" if self._pipeline is None else "pipeline schedule (forward and backward)"):
+            return self._training_step(*args, **kwargs)
+
+    def _training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._pipeline is not None:
             return self._pipeline.training_step(*args, **kwargs)
         with self._autocast(), sharded_logits_step(self.loss_parallel) as release:
@@ -644,6 +661,10 @@ class HybridParallelStrategy(ParallelStrategy):
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        with self._explain("backward (gradient reduction)"):
+            return self._backward(closure_loss, optimizer, *args, **kwargs)
+
+    def _backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         if self._pipeline is not None:
             # The schedule already ran backward inside training_step; Lightning's closure zeroed the
             # gradients since (zero_grad runs between step and backward): put them back.
@@ -773,6 +794,10 @@ class HybridParallelStrategy(ParallelStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        with self._explain("checkpoint save"):
+            self._save_checkpoint(checkpoint, filepath, storage_options)
+
+    def _save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         target = self.broadcast(str(filepath))
         checkpoint[RNG_KEY] = gather_rng_states()
         if self._async_writer is not None and self._fitting_now():

@@ -36,9 +36,9 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
         {"pipeline_parallel_size": "auto"},
     ),
     "3d": (
-        "3D parallelism: data x tensor x pipeline on one mesh; degrees chosen from the model and the world size"
-        " (smallest tensor, then pipeline degree above 1 the model allows; data parallel takes the rest;"
-        " a model with MoE layers gets pipeline x expert parallelism: 4D)",
+        "3D parallelism: data x tensor x pipeline (x expert for MoE models) on one mesh; 'auto' degrees are the"
+        " layout planner's fastest fitting layout with the most model-parallel axes; rank 0 logs the choice,"
+        " the runner-up and the rejected layouts",
         {"data_parallel_size": "auto", "tensor_parallel_size": "auto", "pipeline_parallel_size": "auto",
          "expert_parallel_size": "auto"},
     ),

@@ -104,20 +104,52 @@ def _single_process(spec: FitSpec, accumulating: bool) -> FitSpec:
     return spec
 
 
-def _worker(specs: list[FitSpec]) -> dict[str, Any]:
+def fit_and_validate(devices: int) -> dict[str, float]:
+    """A labels= model fitted with a validation loader, then ``trainer.validate``: the forward-only
+    pipe serves ``validation_step``'s ``self.model(..., labels=...)`` (the loss of the merged batch)."""
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader, Subset
+
+    import lightning_parallel  # noqa: F401
+    from lightning_parallel.testing.parity import token_data
+
+    pl.seed_everything(3, verbose=False)
+    model = HFCausalLM(family="llama", loss="labels")
+    data = token_data()
+    train = DataLoader(Subset(data, range(0, 32)), batch_size=8, drop_last=True)
+    val = DataLoader(Subset(data, range(64, 96)), batch_size=8, drop_last=True)
+    trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy="pp" if devices > 1 else "auto", max_epochs=1, logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                         use_distributed_sampler=False, num_sanity_val_steps=0)
+    trainer.fit(model, train, val)
+    out = {f"fit {k}": float(v) for k, v in trainer.callback_metrics.items()}
+    out.update({f"validate {k}": v for k, v in trainer.validate(model, val, verbose=False)[0].items()})
+    return out
+
+
+def _worker(specs: list[FitSpec], validate: bool = False) -> dict[str, Any]:
     fits = run_fits(specs)
-    return {"fits": fits, "records": ProbedHFCausalLM.records}
+    validated = fit_and_validate(specs[0].devices) if validate else None
+    return {"fits": fits, "records": ProbedHFCausalLM.records, "validated": validated}
 
 
 def _per_step(losses: list[float]) -> list[float]:
     return torch.tensor(losses).view(-1, MICROBATCHES).mean(1).tolist()
 
 
-def check_cells(cells: dict[str, tuple[FitSpec, bool]], world_size: int, timeout: float) -> list[dict[str, Any]]:
-    """Run every cell in one spawned group and compare each rank with its single-process reference."""
-    per_rank = run_distributed(_worker, world_size, [spec for spec, _ in cells.values()], init_backend=None, timeout=timeout)
-    references = run_distributed(run_fits, 1, [_single_process(s, acc) for s, acc in cells.values()], init_backend=None,
-                                 timeout=timeout)[0]
+def check_cells(cells: dict[str, tuple[FitSpec, bool]], world_size: int, timeout: float, validate: bool = False) -> list[dict[str, Any]]:
+    """Run every cell in one spawned group and compare each rank with its single-process reference
+    (with ``validate``, also :func:`fit_and_validate`)."""
+    per_rank = run_distributed(_worker, world_size, [spec for spec, _ in cells.values()], validate, init_backend=None,
+                               timeout=timeout)
+    reference_run = run_distributed(_worker, 1, [_single_process(s, acc) for s, acc in cells.values()], validate,
+                                    init_backend=None, timeout=timeout)[0]
+    references = reference_run["fits"]
+    if validate:
+        for rank, result in enumerate(per_rank):
+            assert result["validated"].keys() == reference_run["validated"].keys()
+            for key, value in reference_run["validated"].items():
+                assert result["validated"][key] == pytest.approx(value, rel=1e-5), (rank, key)
     for (label, (spec, accumulating)), reference in zip(cells.items(), references):
         assert max(reference["grad_norms"]) > CLIP["gradient_clip_val"], f"{label}: clipping must be active"
         if accumulating:
@@ -132,7 +164,7 @@ def check_cells(cells: dict[str, tuple[FitSpec, bool]], world_size: int, timeout
 
 
 def test_pp2_on_real_models_matches_single_process() -> None:
-    per_rank = check_cells(PP2_CELLS, 2, timeout=600)
+    per_rank = check_cells(PP2_CELLS, 2, timeout=600, validate=True)
     for rank, result in enumerate(per_rank):
         gpt2 = result["records"]["gpt2"]
         assert gpt2["tied"], "lm_head and wte stay one parameter"

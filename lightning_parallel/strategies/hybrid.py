@@ -28,7 +28,6 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.utilities.distributed import (
     _all_gather_ddp_if_available,
     _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
     _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
@@ -77,7 +76,7 @@ from lightning_parallel.strategies.resume import (
 from lightning_parallel.strategies.async_checkpoint import AsyncCheckpointWriter
 from lightning_parallel.strategies.collective_errors import explain_collective_errors, nccl_watchdog_defaults
 from lightning_parallel.strategies.nonfinite import NonFiniteGuard, NonFiniteMode, validate_nonfinite
-from lightning_parallel.strategies.process_group import init_process_group
+from lightning_parallel.strategies.process_group import default_backend, init_process_group
 from lightning_parallel.strategies.options import as_timedelta, validate_more_options, validate_options
 
 
@@ -379,9 +378,7 @@ class HybridParallelStrategy(ParallelStrategy):
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
-        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
-            self.root_device
-        )
+        self._process_group_backend = self._process_group_backend or default_backend(self.root_device, self.cpu_offload)
         assert self.cluster_environment is not None
         nccl_watchdog_defaults(self._process_group_backend)  # before the group: NCCL reads them at creation
         init_process_group(self.cluster_environment, self._process_group_backend, self._timeout)  # per-attempt store

@@ -18,9 +18,14 @@ import atexit
 import os
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import ClusterEnvironment
-from lightning.fabric.utilities.distributed import _destroy_dist_connection, _init_dist_connection
+from lightning.fabric.utilities.distributed import (
+    _destroy_dist_connection,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+)
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 
@@ -46,3 +51,13 @@ def init_process_group(cluster_environment: ClusterEnvironment, backend: str, ti
     if "nccl" in backend:  # as Lightning: destroy NCCL groups at exit (torch warns otherwise)
         atexit.register(_destroy_dist_connection)
     rank_zero_info(f"distributed_backend={backend}: {world_size} processes, torchrun attempt {attempt}")
+
+
+def default_backend(device: torch.device, cpu_offload: bool) -> str:
+    """The backend for ``device`` when the user named none: gloo on CPU, nccl on CUDA, and on
+    CUDA with ``cpu_offload`` both (``"cuda:nccl,cpu:gloo"``): offloaded gradients and optimizer
+    state live on the CPU, and the global-norm clipping all-reduces their norms where they are
+    (NCCL rejects CPU tensors). Mesh sub-groups inherit the pair."""
+    if device.type == "cuda":
+        return "cuda:nccl,cpu:gloo" if cpu_offload else "nccl"
+    return _get_default_process_group_backend_for_device(device)

@@ -151,8 +151,8 @@ def run_fit(spec: FitSpec) -> dict[str, Any]:
         callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=spec.checkpoint_dir, every_n_train_steps=spec.checkpoint_every,
                                                       save_top_k=-1, save_last=spec.save_last or None))
     callbacks.extend(_load(name)(**kwargs) for name, kwargs in spec.callbacks)
+    trainer_kwargs = {"accelerator": "cpu", **spec.trainer_kwargs}  # "cuda" for the GPU tests
     trainer = pl.Trainer(
-        accelerator="cpu",
         devices=spec.devices,
         strategy=_make_strategy(spec.strategy),
         max_steps=spec.max_steps,
@@ -164,7 +164,7 @@ def run_fit(spec: FitSpec) -> dict[str, Any]:
         enable_model_summary=False,
         num_sanity_val_steps=0,
         callbacks=callbacks,
-        **spec.trainer_kwargs,
+        **trainer_kwargs,
     )
     if spec.devices > 1 and getattr(trainer.strategy, "lightning_module", "n/a") is None:
         trainer.strategy.connect(model)  # strategy '3d' reads the model to choose the degrees (and the sampler's dp size)

@@ -198,6 +198,16 @@ def test_declared_plans_are_mapped_and_completed() -> None:
         assert plan.fraction_sharded > 0.95, plan.table()
 
 
+def test_experts_left_to_expert_parallelism() -> None:
+    from lightning_parallel.parallel.tp_plan import resolve_tp_plan
+    from lightning_parallel.testing.real_models import HFCausalLM
+
+    plan = resolve_tp_plan(HFCausalLM(family="mixtral", n_layer=1), 2, split_experts=False)
+    experts = "model.model.layers.0.mlp.experts"
+    assert experts not in plan.styles and "expert parallelism" in plan.replicated[experts]
+    assert plan.styles["model.model.layers.0.self_attn.q_proj"] == "colwise"
+
+
 def test_hf_style_names() -> None:
     from lightning_parallel.parallel.tp_plan import canonical_style
 

@@ -507,7 +507,8 @@ def _no_split_error(module: nn.Module, tp: int, plan: TensorParallelPlan) -> Val
 
 
 def resolve_tp_plan(
-    module: nn.Module, tp_size: int, user_plan: dict[str, str] | None = None, strict: bool = False
+    module: nn.Module, tp_size: int, user_plan: dict[str, str] | None = None, strict: bool = False,
+    split_experts: bool = True,
 ) -> TensorParallelPlan:
     """The plan for ``module`` at ``tp_size``: the user's, else the declared one, else inferred.
 
@@ -515,7 +516,8 @@ def resolve_tp_plan(
     any collective. Raises a ValueError/TypeError for a bad user plan (unknown module, with
     close matches; unknown style; style that does not fit the module type), for a model in which
     nothing can be split (``tp_size > 1``), and, with ``strict``, for any size not divisible by
-    ``tp_size``.
+    ``tp_size``. ``split_experts=False`` leaves Hugging Face experts modules to expert
+    parallelism (both would otherwise split the same parameters).
 
     A declared (Hugging Face) plan that does not fit the model as built (an entry matching no
     module, a style with no counterpart here) is completed by the inferred plan, group by group:
@@ -561,6 +563,10 @@ def resolve_tp_plan(
         reasons[name] = "replicate (plan)" if styles[name] == REPLICATE else "norm: sequence-sharded under sequence_parallel"
         if styles.pop(name) == SEQUENCE_PARALLEL and name not in structure.norms:
             structure.norms = tuple(structure.norms) + (name,)
+    if not split_experts:  # expert parallelism owns the experts (the strategy passes ep == 1 here)
+        for name in [n for n, s in styles.items() if s == EXPERTS]:
+            styles.pop(name)
+            reasons[name] = "experts: split by expert parallelism (expert_parallel_size > 1), not by tp"
     _gather_unpaired(styles, notes)
     _unpack_linears(module, packed, notes)
     if source == "inferred":

@@ -400,7 +400,10 @@ class HybridParallelStrategy(ParallelStrategy):
         if self._tp_resolved is None and self.parallel_dims.tp > 1 and module is not None and any(
             True for _ in module.parameters()
         ):
-            self._tp_resolved = resolve_tp_plan(module, self.parallel_dims.tp, user_plan=self.tp_plan, strict=self.strict_plan)
+            self._tp_resolved = resolve_tp_plan(
+                module, self.parallel_dims.tp, user_plan=self.tp_plan, strict=self.strict_plan,
+                split_experts=self.parallel_dims.ep == 1,  # with ep > 1 expert parallelism owns the experts
+            )
 
     # ------------------------------------------------------------------ model set-up
     @override

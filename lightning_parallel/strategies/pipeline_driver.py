@@ -7,6 +7,9 @@ user's hooks fit around it (see :mod:`.pipeline_logging` for how the step code r
 * Configuration is resolved in ``setup()`` on every rank (schedule, virtual stages, microbatch
   count, the stage plan), so bad input fails before any process sends. The stages are traced
   lazily from the first real batch, because the traced graph fixes the microbatch shape.
+* What is traced is the first model call the step makes: ``self(...)``, or a child such as
+  ``self.model(...)`` (how Hugging Face models are usually wrapped; ``labels=`` then becomes
+  the model's own loss on the last stage): :mod:`.pipeline_entry`.
 * ``training_step`` runs the schedule (forward and backward of every microbatch), with the
   user's ``training_step`` as the per-microbatch loss on the last stage. Lightning's closure
   then calls ``zero_grad`` before ``backward``: the new gradients are therefore stashed, the

@@ -107,57 +107,25 @@ def test_hf_models_tp2_match_single_process_and_resnet_refused() -> None:
 
 
 @pytest.mark.slow
-def test_hf_gpt2_dp2_tp2_matches_single_process() -> None:
-    """GPT-2 (packed ``_StridedShard`` c_attn, Conv1D, tied head) under FSDP2 over dp x tp. Without
+def test_hf_dp2_tp2_match_single_process() -> None:
+    """GPT-2 (packed ``_StridedShard`` c_attn, Conv1D, tied head) under FSDP2 (ZeRO-3) over dp x tp, and
+    Mixtral with ep2 beside tp2 (expert parallelism owns the experts, tp the attention). Without
     padding: with it, HF's ``labels=`` loss is a mean over each data-parallel rank's own non-pad
     tokens, which differs from one process's mean over the global batch whatever tp does."""
-    label, spec = "dp2xtp2 zero3 gpt2 labels", _hf("gpt2", "labels")
-    strategy = {"class": HYBRID, "tensor_parallel_size": 2, "data_parallel_size": 2, "zero_stage": 3}
-    results = run_distributed(fits_or_errors, 4, [dataclasses.replace(spec, strategy=strategy, devices=4)],
-                              init_backend=None, timeout=600)
-    assert all("error" not in rank[0] for rank in results), results[0][0].get("trace")
-    # Each data-parallel rank logs its own batch's mean (no sync_dist, as users write it); with equal
-    # token counts per rank the global batch's loss is the mean over ranks (tp peers log the same).
-    losses = [sum(step) / len(step) for step in zip(*(rank[0]["losses"] for rank in results))]
-    _assert_tp_parity(label, dict(results[0][0], losses=losses), spec, max_local=0.3)  # tp and ZeRO-3 multiply
-
-
-def dcp_round_trip(directory: str) -> bool:
-    """GPT-2 under tp2 (packed ``_StridedShard`` c_attn): ``dcp.save`` of its state refuses the
-    packed pieces; through ``checkpoint_layout`` it saves, loads and restores the same values."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor
-
-    from lightning_parallel.parallel.tensor_parallel import apply_tensor_parallel
-    from lightning_parallel.parallel.tp_fused import checkpoint_layout, restore_layout
-    from lightning_parallel.parallel.tp_plan import resolve_tp_plan
-    from lightning_parallel.testing.real_models import HFCausalLM
-
-    torch.manual_seed(0)
-    model = HFCausalLM(family="gpt2", n_layer=1)
-    mesh = init_device_mesh("cpu", (2,))
-    apply_tensor_parallel(model, mesh, resolve_tp_plan(model, 2))
-    state = dict(model.state_dict())
-    refused = False
-    try:
-        dcp.save(state, checkpoint_id=f"{directory}/raw")
-    except CheckpointException as error:  # torch's own refusal of non-box shards (a BaseException)
-        refused = "overlapping chunks" in str(error)
-    dcp.save(checkpoint_layout(state), checkpoint_id=f"{directory}/ok")
-    template = checkpoint_layout({k: torch.zeros_like(v) for k, v in state.items()})
-    dcp.load(template, checkpoint_id=f"{directory}/ok")
-    restored = restore_layout(template, state)
-    same = all(
-        tuple(restored[k].placements) == tuple(v.placements) and torch.equal(restored[k].to_local(), v.to_local())
-        for k, v in state.items() if isinstance(v, DTensor)
-    )
-    return refused and same
-
-
-def test_packed_parameters_round_trip_through_dcp(tmp_path: Any) -> None:
-    assert run_distributed(dcp_round_trip, 2, str(tmp_path), timeout=300) == [True, True]
+    cases = [
+        ("dp2xtp2 zero3 gpt2 labels", _hf("gpt2", "labels"),
+         {"class": HYBRID, "tensor_parallel_size": 2, "data_parallel_size": 2, "zero_stage": 3}, 0.3),
+        ("dp2xtp2 ep2 mixtral", _hf("mixtral"),
+         {"class": HYBRID, "tensor_parallel_size": 2, "data_parallel_size": 2, "expert_parallel_size": 2}, 0.55),
+    ]
+    specs = [dataclasses.replace(spec, strategy=strategy, devices=4) for _, spec, strategy, _ in cases]
+    results = run_distributed(fits_or_errors, 4, specs, init_backend=None, timeout=900)
+    for i, (label, spec, _, max_local) in enumerate(cases):
+        assert all("error" not in rank[i] for rank in results), results[0][i].get("trace")
+        # Each data-parallel rank logs its own batch's mean (no sync_dist, as users write it); with equal
+        # token counts per rank the global batch's loss is the mean over ranks (tp peers log the same).
+        losses = [sum(step) / len(step) for step in zip(*(rank[i]["losses"] for rank in results))]
+        _assert_tp_parity(label, dict(results[0][i], losses=losses), spec, max_local=max_local)
 
 
 # ---------------------------------------------------------------- plans (no process group)

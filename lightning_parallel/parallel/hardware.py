@@ -47,6 +47,7 @@ class HardwareProfile:
     tp_op_overhead: float = 0.0  # extra seconds per tensor-parallel (DTensor) op: dispatch a CPU cannot hide
     reserved_bytes: int = 0  # runtime context, allocator slack: not available to tensors
     attention_scores_stored: bool = False  # False: fused (flash) attention keeps no s x s scores
+    tp_attention_scores_stored: bool = False  # under tensor parallelism (on CPU the strategy runs the math kernel)
     notes: str = field(default="", compare=False)
 
     def flops(self, dtype: str) -> float:
@@ -96,7 +97,8 @@ PROFILES: dict[str, HardwareProfile] = {
         name="cpu", peak_flops={"fp32": 50e9, "bf16": 10e9, "fp16": 5e9},
         memory_bytes=16 * GiB, devices_per_node=64, intra_bandwidth=2e9, intra_latency=50e-6,
         inter_bandwidth=1e9, inter_latency=100e-6, memory_bandwidth=10e9, compute_efficiency=1.0,
-        host_bandwidth=10e9, kernel_overhead=20e-6, tp_op_overhead=100e-6, reserved_bytes=0, attention_scores_stored=True,
+        host_bandwidth=10e9, kernel_overhead=20e-6, tp_op_overhead=100e-6, reserved_bytes=0, attention_scores_stored=False,
+        tp_attention_scores_stored=True,  # the CPU flash kernel keeps no scores; it has no DTensor rule, so tp runs math
     ),
 }
 ALIASES = {"a100": "a100-80gb", "h100": "h100-80gb", "h200-141gb": "h200"}

@@ -4,9 +4,11 @@ Memory (bytes on the busiest rank): parameters, gradients and optimizer state as
 shards them (tensor split from the tp plan, stage split from the pipeline plan, experts over
 ``ep``, ZeRO stage over the data-parallel shard axis, CPU offload), working copies FSDP gathers,
 DDP's gradient buckets, activations of the microbatches a schedule keeps in flight (with or
-without activation checkpointing; Korthikanti et al. 2022, arXiv 2205.05198, section 4: per
-layer ``s b h (10 + 24/t)`` bytes at 16 bits, plus ``5 a s^2 b / t`` where attention keeps its
-scores), and the logits of the last stage.
+without activation checkpointing; Korthikanti et al. 2022, arXiv 2205.05198, section 4, without
+the dropout masks where the model has no dropout, plus ``a s^2 b / t`` softmax outputs where
+attention keeps its scores: the math kernel, which tensor parallelism runs on CPU), and the
+logits of the last stage. DDP adds no buckets (its gradients are bucket views). Checked against
+an exact live-tensor-bytes count of six 2-rank layouts (tests/test_planner_peak_memory.py).
 
 Step time (seconds, slowest rank): compute from FLOPs (``6 N`` per token for the matmuls the
 rank runs plus ``12 s h`` per token per layer for attention, one more forward under activation
@@ -174,14 +176,27 @@ def bubble_factor(schedule: str, pp: int, m: int, virtual: int) -> float:
     return (m + (pp - 1) / max(1, virtual)) / m
 
 
-def layer_activation_elements(facts: ModelFacts, tokens: int, seq: int, tp: int, scores: bool, sp: bool = False) -> float:
+def layer_activation_elements(facts: ModelFacts, tokens: int, seq: int, tp: int, scores: bool, sp: bool = False,
+                              elem_bytes: int = 2) -> float:
     """Activation elements one block keeps for backward, for ``tokens`` tokens of sequences of ``seq``
-    (``sp``: sequence parallelism splits the norm and dropout activations over ``tp`` too)."""
+    (``sp``: sequence parallelism splits the norm activations over ``tp`` too).
+
+    Korthikanti et al. 2022 (arXiv 2205.05198), section 4.1, per token: the two norm inputs and
+    the attention and MLP inputs (replicated over tp), q, k, v, the attention output and the
+    output projection's input, the MLP's ``mlp_mats`` wide activations (split over tp), and where
+    attention keeps its scores (the math kernel) ``a s`` softmax outputs. Dropout masks (one byte
+    per element, and the dropped-out scores) only where the model has dropout: a GPT built with
+    ``dropout=0`` stores none (measured: tests/test_planner_peak_memory.py).
+    """
     h, a = facts.hidden, facts.heads
-    replicated = 5.0 * tokens * h  # norm inputs, residual adds, dropout masks
+    replicated = 4.0 * tokens * h  # norm inputs and outputs
+    if facts.dropout:
+        replicated += 2.0 * tokens * h / elem_bytes  # masks after attention and MLP
     qkv = 1.0 + 2.0 * facts.kv_heads / a
     sharded = tokens * (h * (qkv + 1.0 + 1.0) + facts.mlp_mats * facts.ffn)
-    score = 2.5 * a * seq * tokens if scores else 0.0
+    score = 0.0
+    if scores:
+        score = a * seq * tokens * ((2.0 + 1.0 / elem_bytes) if facts.dropout else 1.0)
     return replicated / (tp if sp else 1) + (sharded + score) / tp
 
 
@@ -225,14 +240,17 @@ def predict(facts: ModelFacts, layout: Layout, shares: list[RankShare], work: Wo
             working = 0.0
         if L.cpu_offload:
             grads = optim = stored_params = 0.0
-        buffers = params * work.grad_bytes if L.zero_stage == 0 and L.dp > 1 else 0.0  # DDP buckets
-        layer_act = layer_activation_elements(facts, mb_tokens, work.seq_len, L.tp, hw.attention_scores_stored, L.sequence_parallel) * cb
+        buffers = 0.0  # DDP's buckets are the gradients (gradient_as_bucket_view=True, parallel/data_parallel.py)
+        scores = hw.attention_scores_stored or (L.tp > 1 and hw.tp_attention_scores_stored)
+        layer_act = layer_activation_elements(facts, mb_tokens, work.seq_len, L.tp, scores, L.sequence_parallel, cb) * cb
         held = inflight(L.schedule, L.pp, m, L.virtual_stages, r)
         if L.activation_checkpointing:
             acts = share.layers * held * mb_tokens * facts.hidden * cb / (L.tp if L.sequence_parallel else 1) + layer_act
         else:
             acts = share.layers * held * layer_act
-        logits = mb_tokens * facts.vocab * (cb + 4) if share.last else 0.0
+        # Last stage: the final norm's input and output, and at the start of backward the fp32
+        # log-softmax kept by the loss, its gradient and the logits' gradient (measured peak).
+        logits = mb_tokens * (facts.vocab * (cb + 8) + 2 * facts.hidden * cb) if share.last else 0.0
         mem = {
             "params": stored_params, "grads": grads, "optimizer": optim, "gathered_params": working,
             "comm_buffers": buffers, "activations": acts, "logits": logits, "reserved": float(hw.reserved_bytes),

@@ -65,6 +65,7 @@ class ModelFacts:
     max_seq: int | None
     expert_counts: tuple[int, ...]
     top_k: int
+    dropout: bool = False  # a block has dropout with p > 0 (its masks are stored for backward)
     user_tp_plan: dict[str, str] | None = None
     split_points: list[str] | None = None
     _tp: dict[int, object] = field(default_factory=dict, repr=False)
@@ -212,6 +213,9 @@ def model_facts(module: nn.Module, *, tp_plan: dict[str, str] | None = None, spl
         holders += [module.get_submodule(parent)] if parent else []
         holders += [m for m in module.get_submodule(parent).modules()] if parent else []
     top_k = _int_attr(holders, _TOPK_ATTRS) or 2 if counts else 1
+    dropout = any(isinstance(m, nn.Dropout) and m.p > 0 for _, b in blocks[:1] for m in b.modules()) or any(
+        isinstance(getattr(c, n, None), float) and getattr(c, n) > 0 for c in configs
+        for n in ("attention_dropout", "hidden_dropout", "attn_pdrop", "resid_pdrop", "dropout"))
     if counts and not any(c >= 1 for c in counts):
         counts = ()
     return ModelFacts(
@@ -219,7 +223,7 @@ def model_facts(module: nn.Module, *, tp_plan: dict[str, str] | None = None, spl
         n_blocks=len(blocks), block_names=tuple(n for n, _ in blocks), hidden=hidden,
         heads=heads or max(1, hidden // 64), kv_heads=kv or heads or max(1, hidden // 64), ffn=ffn,
         mlp_mats=max(2, mlp_mats) if blocks else 2, vocab=vocab_emb.num_embeddings if vocab_emb is not None else 0,
-        max_seq=_int_attr([module, *configs], _SEQ_ATTRS), expert_counts=counts, top_k=top_k,
+        max_seq=_int_attr([module, *configs], _SEQ_ATTRS), expert_counts=counts, top_k=top_k, dropout=dropout,
         user_tp_plan=dict(tp_plan) if tp_plan else None, split_points=list(split_points) if split_points else None,
     )
 

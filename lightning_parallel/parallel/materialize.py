@@ -42,12 +42,15 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.utils._device import DeviceContext, _device_constructors
 
 from lightning_parallel.parallel.errors import config_error
 
@@ -91,6 +94,51 @@ class MaterializeReport:
     peak_temporary_bytes: int = 0
     local_bytes: int = 0
     replaced: dict[Tensor, Tensor] = field(default_factory=dict)  # in_place: tensors that had to be new objects
+
+
+def _inside_metric(depth: int = 40) -> bool:
+    """Whether a ``torchmetrics.Metric`` method is on the call stack (its ``__init__`` creating states)."""
+    metric_cls = getattr(sys.modules.get("torchmetrics"), "Metric", None)
+    if metric_cls is None:
+        return False
+    frame = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            return False
+        if isinstance(frame.f_locals.get("self"), metric_cls):
+            return True
+        frame = frame.f_back
+    return False
+
+
+class MetaInitContext(DeviceContext):
+    """``torch.device("meta")`` for the model, except metric states: a torchmetrics ``Metric`` built
+    inside gets its states (and the defaults ``reset()`` restores) on ``fallback`` with their values;
+    they are small, no init hook would recompute them, and they are not parameters or buffers."""
+
+    def __init__(self, fallback: torch.device) -> None:
+        super().__init__("meta")
+        self.fallback = torch.device(fallback)
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _device_constructors() and kwargs.get("device") is None and _inside_metric():
+            kwargs["device"] = self.fallback
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+def _check_metrics(module: nn.Module) -> None:
+    metric_cls = getattr(sys.modules.get("torchmetrics"), "Metric", None)
+    if metric_cls is None:
+        return
+    for name, sub in module.named_modules():
+        if isinstance(sub, metric_cls) and any(isinstance(v, Tensor) and v.is_meta for v in sub._defaults.values()):
+            raise config_error(
+                TypeError, "meta-device model", f"{name} ({type(sub).__name__})",
+                "this torchmetrics metric was built on the meta device, so its states' initial values are lost",
+                "build the module under trainer.init_module(empty_init=True) (metrics get real states there), "
+                "or build the metric outside the meta-device context",
+            )
 
 
 def has_meta_tensors(module: nn.Module) -> bool:
@@ -362,6 +410,7 @@ def materialize_meta_module(
     report = MaterializeReport()
     if not has_meta_tensors(module):
         return report
+    _check_metrics(module)
     born_meta = {_join(p, n) for p, m in module.named_modules(remove_duplicate=False) for _, n, t in _own_tensors(m) if t.is_meta}
     replaced: dict[Tensor, Tensor] = {}
     if in_place:
@@ -398,4 +447,4 @@ def materialize_meta_module(
     return work.report
 
 
-__all__ = ["MaterializeReport", "RngSnapshot", "has_meta_tensors", "materialize_meta_module", "move_real_tensors"]
+__all__ = ["MaterializeReport", "MetaInitContext", "RngSnapshot", "has_meta_tensors", "materialize_meta_module", "move_real_tensors"]

@@ -2,7 +2,8 @@
 
 A model built on the meta device (``Trainer.init_module(empty_init=True)``) is traced as it is:
 ``torch.export`` needs shapes, dtypes and devices, not values, so the example batch goes in as
-meta tensors of the same shapes. Two things in the traced stages then name the meta device and
+meta tensors of the same shapes (the probe that counts the step's forward calls runs the step
+on real tensors, the forward answering zeros of its output's shapes). Two things in the traced stages then name the meta device and
 are moved to the rank's device (:func:`retarget_devices`): constants created from an input's
 device (``torch.arange(..., device=x.device)``: Hugging Face position ids and causal masks) and
 device casts. After the split each rank releases what other stages own (empty tensors), and
@@ -21,7 +22,8 @@ the model once, then releases other stages' tensors).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -39,6 +41,31 @@ def stays_meta_until_traced(dp: int, zero_stage: int, ep: int) -> bool:
 def to_meta(tree: Any) -> Any:
     """The same structure with every tensor replaced by a meta tensor of its shape and dtype."""
     return tree_map(lambda t: torch.empty_like(t, device=_META) if isinstance(t, torch.Tensor) else t, tree)
+
+
+@contextlib.contextmanager
+def meta_output_forward(
+    target: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device, enabled: bool = True
+) -> Iterator[None]:
+    """Within the block, ``target.forward`` returns zeros on ``device`` shaped like its output for
+    ``args``/``kwargs`` (computed once on meta tensors). Why: the forward-count probe runs the whole
+    step, whose code after the forward (a metric's ``unique``, an ``.item()``) may have no meta
+    kernel or need values; the step sees real tensors, the model's meta weights are never read."""
+    if not enabled:
+        yield
+        return
+    with torch.no_grad():
+        shaped = target(*to_meta(tuple(args)), **to_meta(dict(kwargs)))
+    zeros = tree_map(lambda t: torch.zeros_like(t, device=device) if isinstance(t, torch.Tensor) else t, shaped)
+    saved = target.__dict__.get("forward")
+    target.forward = lambda *a, **k: zeros  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        if saved is None:
+            del target.forward
+        else:
+            target.forward = saved  # type: ignore[method-assign]
 
 
 def _swap(value: Any, device: torch.device) -> Any:
@@ -76,4 +103,4 @@ def retarget_devices(stage_modules: Iterable[nn.Module], device: torch.device) -
     return changed
 
 
-__all__ = ["retarget_devices", "stays_meta_until_traced", "to_meta"]
+__all__ = ["meta_output_forward", "retarget_devices", "stays_meta_until_traced", "to_meta"]

@@ -56,7 +56,7 @@ from lightning_parallel.strategies.auto_layout import planner_inputs
 from lightning_parallel.parallel.pipeline_schedules import resolve_virtual_stages, schedule_spec
 from lightning_parallel.parallel.dims import DP, EDP, PP_DP, TP, Degree, ParallelDims
 from lightning_parallel.parallel.expert_parallel import validate_expert_parallel
-from lightning_parallel.parallel.materialize import RngSnapshot, has_meta_tensors, materialize_meta_module, move_real_tensors
+from lightning_parallel.parallel.materialize import MetaInitContext, RngSnapshot, has_meta_tensors, materialize_meta_module, move_real_tensors
 from lightning_parallel.parallel.pipeline_meta import stays_meta_until_traced
 from lightning_parallel.parallel.tensor_parallel import apply_tensor_parallel
 from lightning_parallel.parallel.tp_loss import sharded_logits_step
@@ -617,7 +617,7 @@ class HybridParallelStrategy(ParallelStrategy):
                 yield
             return
         self._meta_rng = RngSnapshot.capture(self.root_device)
-        with torch.device("meta"), self.precision_plugin.tensor_init_context():
+        with MetaInitContext(self.root_device), self.precision_plugin.tensor_init_context():  # metrics: real states
             yield
 
     def _materialize(

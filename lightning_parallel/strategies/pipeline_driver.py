@@ -62,7 +62,7 @@ from lightning_parallel.parallel.pipeline_tp import (
     local_part,
     swap_optimizer_parameters,
 )
-from lightning_parallel.parallel.pipeline_meta import retarget_devices, to_meta
+from lightning_parallel.parallel.pipeline_meta import meta_output_forward, retarget_devices, to_meta
 from lightning_parallel.parallel.pipeline_plan import PipelinePlan, plan_pipeline
 from lightning_parallel.parallel.pipeline_schedules import (
     ScheduleSpec,
@@ -211,10 +211,12 @@ class PipelineDriver:
         if isinstance(probe, StepDone):
             return  # nothing to trace from this hook; a later one will
         entry = Entry(probe[0])
-        # A meta-built model is counted and traced on meta inputs of the batch's shapes (parallel/pipeline_meta.py).
+        # A meta-built model is traced on meta inputs of the batch's shapes; its step is counted with the
+        # forward answering zeros of the output's shapes (parallel/pipeline_meta.py).
         meta = any(p.is_meta for p in self.module.parameters())
-        counted = (to_meta(args), to_meta(kwargs)) if meta else (args, kwargs)
-        calls = count_forward_calls(self.module, hook, *counted, entry=entry.name)
+        target = self.module.get_submodule(entry.name) if entry.name else self.module
+        with meta_output_forward(target, probe[1], probe[2], self.device, enabled=meta):
+            calls = count_forward_calls(self.module, hook, args, kwargs, entry=entry.name)
         if calls > 1:
             raise forward_twice_error(hook, entry.describe())
         traced_kwargs, _ = split_kwargs(entry, self.module, probe[2])

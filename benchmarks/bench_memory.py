@@ -1,0 +1,227 @@
+"""Peak memory per rank, during set-up and during training, for a GPT larger than one rank's share.
+
+Not a timed test. One spawned group of ``--ranks`` gloo processes per layout trains the package's
+GPT (default: fp32 parameters >= 1 GiB) for ``--steps`` SGD steps (no momentum: model state is
+parameters + gradients). Layouts: Lightning's own ``ddp`` (the model built as usual, on every
+rank) beside our ``zero3``, ``tp``, ``pp``, dp2 x tp2 and ``3d``, each built under
+``Trainer.init_module(empty_init=True)`` (meta device; every rank allocates and initialises only
+what it holds, see ``lightning_parallel/parallel/materialize.py``).
+
+Measured on every rank, two points: at ``on_train_start`` (set-up done; pipelines build their
+stages in the first step, so for them the second point includes it) and after the last step:
+
+* tensor-accurate peak live bytes: ``torch.distributed._tools.mem_tracker.MemTracker`` (a
+  dispatch mode; its per-module attribution is switched off that sees every tensor allocation and free on the CPU), entered before the
+  model is built, with its per-category breakdown (parameters, gradients, activations, temps);
+* peak RSS growth over the process at start (``VmHWM`` after ``clear_refs``; includes the
+  allocator's caching and everything that is not a tensor).
+
+Ideal share per rank: ``(P + G) / ranks`` (P + G for ``ddp``, which replicates) plus the peak
+activation bytes the tracker saw on that rank (what the layout keeps). Printed: bytes and ratio
+to the ideal, worst rank per layout. Target: <= 1.15 x at both points.
+
+Run: ``python benchmarks/bench_memory.py`` (heavy: about 10 GiB of RAM for ``ddp`` at the default
+size; ``--layers 2 --width 256`` for a quick check of the script).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import weakref
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_parallel.testing import run_distributed
+
+HYBRID = "lightning_parallel:HybridParallelStrategy"
+LAYOUTS: dict[str, Any] = {
+    "ddp": "ddp",
+    "zero3": "zero3",
+    "tp": "tp",
+    "pp": "pp",
+    "dp2xtp2": {"class": HYBRID, "tensor_parallel_size": 2, "zero_stage": 3},
+    "3d": "3d",
+}
+
+
+def _status(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _reset_peak_rss() -> None:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS (Linux)
+    except OSError:
+        pass
+
+
+class LiveBytes:
+    """Tensor-accurate live and peak CPU bytes: a dispatch mode that records the storage of every
+    tensor an op returns (DTensors: their local tensor) until the storage is freed, plus storage
+    resizes (FSDP2 frees and refills unsharded parameters with ``untyped_storage().resize_``).
+    Written here because ``MemTracker``'s per-module attribution refuses Lightning's and the
+    pipeline's call patterns (a module called twice in one step, hooks out of order)."""
+
+    def __init__(self) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        self.live: dict[int, int] = {}
+        self.current = self.peak = 0
+        tracker = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+                out = func(*args, **(kwargs or {}))
+                for leaf in torch.utils._pytree.tree_leaves(out):
+                    if isinstance(leaf, torch.Tensor):
+                        tracker.track(leaf)
+                return out
+
+        self.mode = Mode()
+        self._resize = torch.UntypedStorage.resize_
+
+    def track(self, tensor: torch.Tensor) -> None:
+        local = getattr(tensor, "_local_tensor", tensor)
+        if local.device.type != "cpu" or local.is_meta:
+            return
+        storage = local.untyped_storage()
+        key = storage._cdata
+        if key in self.live:
+            return
+        self._set(key, storage.nbytes())
+        weakref.finalize(storage, self._set, key, 0)
+
+    def _set(self, key: int, nbytes: int) -> None:
+        self.current += nbytes - self.live.get(key, 0)
+        if nbytes:
+            self.live[key] = nbytes
+        else:
+            self.live.pop(key, None)
+        self.peak = max(self.peak, self.current)
+
+    def __enter__(self) -> LiveBytes:
+        original, tracker = self._resize, self
+
+        def resize(storage: torch.UntypedStorage, size: int) -> Any:
+            result = original(storage, size)
+            if storage._cdata in tracker.live or size:
+                if storage._cdata not in tracker.live:
+                    weakref.finalize(storage, tracker._set, storage._cdata, 0)
+                tracker._set(storage._cdata, int(size))
+            return result
+
+        torch.UntypedStorage.resize_ = resize  # type: ignore[method-assign]
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.mode.__exit__(*exc)
+        torch.UntypedStorage.resize_ = self._resize  # type: ignore[method-assign]
+
+
+def _worker(args: argparse.Namespace, layout: str) -> dict[str, Any]:
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    import lightning_parallel  # noqa: F401
+    from lightning_parallel.models.gpt import GPT
+    from lightning_parallel.testing.parity import _make_strategy, token_data
+
+    torch.set_num_threads(1)
+    _reset_peak_rss()
+    base_rss = _status("VmRSS")
+    tracker = LiveBytes()
+    points: dict[str, dict[str, Any]] = {}
+
+    def snapshot() -> dict[str, Any]:
+        return {"tracked": tracker.peak, "rss": _status("VmHWM") - base_rss}
+
+    class Points(pl.Callback):
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            points["setup"] = snapshot()
+            tracker.peak = tracker.current  # the training peak from here on
+            _reset_peak_rss()
+
+        def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+            from torch.distributed.tensor import DTensor
+
+            local = [p.to_local() if isinstance(p, DTensor) else p for p in pl_module.parameters()]
+            grads = [g.to_local() if isinstance(g, DTensor) else g for g in (p.grad for p in pl_module.parameters()) if g is not None]
+            points["state"] = {"params": sum(t.untyped_storage().nbytes() for t in {t.untyped_storage()._cdata: t for t in local}.values()),
+                               "grads": sum(g.numel() * g.element_size() for g in grads)}
+
+    kwargs = {"vocab_size": args.vocab, "block_size": args.block, "n_layer": args.layers, "n_head": args.heads,
+              "n_embd": args.width, "lr": 1e-3}
+    with tracker:
+        trainer = pl.Trainer(accelerator="cpu", devices=args.ranks, strategy=_make_strategy(LAYOUTS[layout]),
+                             max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                             enable_model_summary=False, num_sanity_val_steps=0, use_distributed_sampler=False,
+                             callbacks=[Points()])
+        pl.seed_everything(0, verbose=False)
+        if layout == "ddp":
+            model = GPT(**kwargs)  # Lightning's ddp: the model as usual (empty_init there means garbage weights)
+        else:
+            with trainer.init_module(empty_init=True):
+                model = GPT(**kwargs)
+        if getattr(trainer.strategy, "lightning_module", "n/a") is None:
+            trainer.strategy.connect(model)  # '3d' reads the model to choose its degrees
+        sampler_kwargs = trainer.strategy.distributed_sampler_kwargs
+        data = token_data(64, block_size=args.block, vocab_size=args.vocab)
+        sampler = DistributedSampler(data, shuffle=False, drop_last=True, **sampler_kwargs)
+        loader = DataLoader(data, batch_size=max(1, args.batch // sampler_kwargs["num_replicas"]), sampler=sampler)
+        trainer.fit(model, loader)
+    points["train"] = snapshot()
+    dims = getattr(trainer.strategy, "parallel_dims", None)
+    return {"points": points, "dims": dims.describe() if dims is not None else "ddp",
+            "loss": float(trainer.callback_metrics.get("train_loss", torch.tensor(float("nan"))))}
+
+
+def _model_bytes(args: argparse.Namespace) -> int:
+    from lightning_parallel.models.gpt import GPT
+
+    with torch.device("meta"):
+        model = GPT(vocab_size=args.vocab, block_size=args.block, n_layer=args.layers, n_head=args.heads, n_embd=args.width)
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--layers", type=int, default=20)
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--block", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=4, help="global batch")
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--layouts", default=",".join(LAYOUTS))
+    args = parser.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    P = _model_bytes(args)
+    mib = 2**20
+    print(f"GPT {args.layers} x {args.width}, vocab {args.vocab}: fp32 parameters P = {P / mib:.0f} MiB; "
+          f"{args.ranks} ranks, SGD (model state = P + grads)")
+    print(f"{'layout':9} {'mesh':44} {'set-up MiB':>10} {'x share':>7} {'train MiB':>9} {'x share':>7} "
+          f"{'params+grads MiB':>16} {'x share':>7} {'RSS set-up/train MiB':>20}")
+    for layout in args.layouts.split(","):
+        results = run_distributed(_worker, args.ranks, args, layout, init_backend=None, timeout=3000)
+        share = 2 * P if layout == "ddp" else 2 * P / args.ranks  # params + grads per rank, ideally
+        setup = max(r["points"]["setup"]["tracked"] for r in results)
+        train = max(r["points"]["train"]["tracked"] for r in results)
+        state = max(r["points"]["state"]["params"] + r["points"]["state"]["grads"] for r in results)
+        rss = (max(r["points"]["setup"]["rss"] for r in results), max(r["points"]["train"]["rss"] for r in results))
+        print(f"{layout:9} {results[0]['dims'][:44]:44} {setup / mib:10.0f} {setup / share:7.2f} {train / mib:9.0f} "
+              f"{train / share:7.2f} {state / mib:16.0f} {state / share:7.2f} {rss[0] / mib:9.0f}/{rss[1] / mib:.0f}"
+              f"   loss {results[0]['loss']:.4f}", flush=True)
+    print("share = (P + grads) / ranks (ddp: P + grads, it replicates); worst rank per column. The training peak"
+          " also holds activations and a layout's transient copies (FSDP2's gathered blocks, pipeline buffers).")
+
+
+if __name__ == "__main__":
+    main()

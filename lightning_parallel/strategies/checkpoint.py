@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim import Optimizer
 
+from lightning_parallel.parallel.tp_fused import checkpoint_layout, restore_layout
 from lightning_parallel.parallel.zero import full_optimizer_state
 
 META_FILENAME = "meta.pt"
@@ -147,7 +148,9 @@ def split_checkpoint(checkpoint: dict[str, Any], zero1: bool) -> dict[str, Any]:
             checkpoint.setdefault(ZERO1_KEY, {})[idx] = optim
         else:
             state[f"optimizer_{idx}"] = optim
-    return state
+    # Packed tensor-parallel parameters (GPT-2's c_attn, gate_up_proj, experts: _StridedShard) are
+    # several boxes per rank, which dcp.save refuses ("overlapping chunks"); as plain Shard they are one.
+    return checkpoint_layout(state)
 
 
 def begin_sharded_save(path: Path) -> Path:
@@ -238,7 +241,9 @@ def load_into(
                     " (a consolidated file loads under every layout)."
                 )
             state[f"optimizer_{idx}"] = optimizer_state(module, opt, full=False)
-        dcp.load(state, checkpoint_id=str(path))
+        template = checkpoint_layout(state)  # packed tp parameters as plain Shard: one box per rank for DCP
+        dcp.load(template, checkpoint_id=str(path))
+        state = restore_layout(template, state)
         set_model_state_dict(module, state["state_dict"], options=StateDictOptions(strict=strict))
         for idx, opt in enumerate(optimizers):
             if idx in full_states:
@@ -280,5 +285,10 @@ def _load_full_optimizer_state(module: nn.Module, optimizer: Optimizer, state: d
     """Load a consolidated, FQN-keyed optimizer state into any layout (each rank keeps its part)."""
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         _load_zero1_state(module, optimizer, state)
+    elif not state.get("state"):
+        # A stateless optimizer (SGD without momentum): nothing per parameter to place, and torch's
+        # full-state loader asserts on the device of a state it has none of. Hyperparameters only.
+        for group, saved in zip(optimizer.param_groups, state.get("param_groups", [])):
+            group.update({k: v for k, v in saved.items() if k != "params"})
     else:
         set_optimizer_state_dict(module, optimizer, state, options=StateDictOptions(full_state_dict=True))

@@ -103,7 +103,10 @@ def _rng_state() -> dict[str, Any]:
     try:
         import numpy
 
-        state["numpy"] = numpy.random.get_state()
+        # As plain types and a tensor (not numpy's ndarray): a checkpoint must load with
+        # torch.load(weights_only=True), which Lightning's own strategies use by default.
+        name, keys, pos, has_gauss, cached = numpy.random.get_state()
+        state["numpy"] = (str(name), torch.from_numpy(keys.astype(numpy.int64)), int(pos), int(has_gauss), float(cached))
     except ImportError:  # numpy is optional
         pass
     return state
@@ -167,5 +170,7 @@ def restore_rng_state(states: list[dict[str, Any]] | None) -> bool:
     if "numpy" in state:
         import numpy
 
-        numpy.random.set_state(state["numpy"])
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        keys = keys.numpy() if isinstance(keys, torch.Tensor) else numpy.asarray(keys)
+        numpy.random.set_state((name, keys.astype(numpy.uint32), pos, has_gauss, cached))
     return True

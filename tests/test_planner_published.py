@@ -24,8 +24,8 @@ text, that is said per row):
   80GB, local batch 1, sequence 8,192 (torchtitan's Llama 3 default), 8B selective-layer
   activation checkpointing 2,904 tokens/s per GPU, 70B full checkpointing 331 tokens/s per GPU;
   Llama 3.1 405B with FSDP 16 x TP 8 on 128 H100 (94 GB), local batch 2 (global 32), full
-  checkpointing, 109 tokens/s per GPU (29.0% MFU, no Float8). The planner models full activation
-  checkpointing only, so the 8B row (selective) is compared with full checkpointing.
+  checkpointing, 109 tokens/s per GPU (29.0% MFU, no Float8). The 8B row (torchtitan's selective
+  per-layer checkpointing) is compared with full checkpointing.
 """
 
 from __future__ import annotations
@@ -70,6 +70,7 @@ class Run:
     figure: float  # TFLOP/s per GPU (Megatron: their formula; Llama 3: model FLOPs) or tokens/s per GPU
     unit: str
     memory_gib: float | None = None
+    partial_recompute: bool = False  # the engine also checkpoints only some blocks per stage (Megatron-LM)
 
 
 RUNS = {
@@ -80,7 +81,7 @@ RUNS = {
     "megatron-1T": Run(lambda: _gpt(128, 25600, 160), 3072, 3072, 2048, "a100-80gb", "fp16", (8, 64, 6),
                        {"activation_checkpointing": True, "sequence_parallel": False, "zero_stage": 0}, 163.0, "megatron"),
     "llama3-405B-16k": Run(lambda: _llama(126, 16384, 53248, 128), 16384, 2048, 8192, "h100-80gb", "bf16", (8, 16, 128),
-                           {}, 400.0, "tflops"),
+                           {}, 400.0, "tflops", partial_recompute=True),
     "torchtitan-8B": Run(lambda: _llama(32, 4096, 14336, 32), 64, 64, 8192, "a100-80gb", "bf16", (1, 1, 64),
                          {"activation_checkpointing": True, "zero_stage": 3}, 2904.0, "tokens"),
     "torchtitan-70B": Run(lambda: _llama(80, 8192, 28672, 64), 64, 64, 8192, "a100-80gb", "bf16", (1, 1, 64),
@@ -88,13 +89,15 @@ RUNS = {
     "torchtitan-405B": Run(lambda: _llama(126, 16384, 53248, 128), 128, 32, 8192, "h100-80gb", "bf16", (8, 1, 16),
                            {"activation_checkpointing": True, "zero_stage": 3, "sequence_parallel": True}, 109.0, "tokens", 94.0),
 }
-KNOWN_MISSES = {
-    # Measured here: predicted 0.70 x the published 400 TFLOP/s. The planner's activation model needs
-    # activation checkpointing for TP8 x PP16 at sequence 8,192 on 80 GB (its 4/3 recompute and the
-    # interleaved bubble with 16 microbatches cost ~30%); Llama 3 reports neither, and its own
-    # memory-balancing of the first and last stages is not modelled.
-    "llama3-405B-16k": "predicted 0.70 x published: activation memory model too pessimistic for Llama 3's pipeline",
-}
+# Llama 3 405B on 16K H100: without checkpointing TP8 x PP16 at sequence 8,192 does not fit 80 GB
+# (the first rank holds 16 + 15/4 microbatches of its blocks, ~78 GiB) and full checkpointing costs
+# 4/3 of the compute: predicted 0.70 x the published 400 TFLOP/s. Korthikanti et al. 2022's selective
+# recomputation (arXiv 2205.05198, section 5) recomputes only the attention core, whose s^2 scores
+# the H100 profile's fused attention never stores, so it saves nothing here. What does fit is block
+# recomputation as Megatron-LM offers it (--recompute-method block --recompute-num-layers k: the
+# first k blocks of each stage): measured here, 1 block per stage, predicted 0.88. The paper does
+# not report its recomputation setting; the search is given the option, not the value.
+KNOWN_MISSES: dict[str, str] = {}
 
 
 def _throughput(run: Run, model: torch.nn.Module, pred: Any) -> float:
@@ -114,7 +117,8 @@ def test_published_layout_fits_and_throughput_within_25_percent(name: str) -> No
     memory = int(run.memory_gib * GiB) if run.memory_gib else None
     # CPU offload is left out of the search: it never wins at these sizes and doubles the search time.
     result = plan_layouts(model, run.gpus, global_batch=run.batch, seq_len=run.seq, hardware=run.hardware,
-                          dtype=run.dtype, device_memory=memory, space=SearchSpace(cpu_offload=(False,)))
+                          dtype=run.dtype, device_memory=memory,
+                          space=SearchSpace(cpu_offload=(False,), partial_recompute=run.partial_recompute))
     tp, pp, dp = run.degrees
     pool = result.ranked + [r.prediction for r in result.rejected if r.prediction is not None]
     published = [p for p in pool if (p.layout.tp, p.layout.pp, p.layout.dp) == (tp, pp, dp) and not p.layout.cpu_offload
@@ -131,14 +135,14 @@ def test_published_layout_fits_and_throughput_within_25_percent(name: str) -> No
         f"{name}: predicted {predicted:.1f} vs published {run.figure} ({best_published.layout.describe()})")
 
 
-def test_known_misses_still_miss() -> None:
-    """The rows marked as misses are measured too: if the model improves, this says to unmark them."""
-    for name in KNOWN_MISSES:
-        run = RUNS[name]
-        model = run.build()
-        tp, pp, dp = run.degrees
-        space = SearchSpace(tensor_parallel_size=tp, pipeline_parallel_size=pp, cpu_offload=(False,))
-        result = plan_layouts(model, run.gpus, global_batch=run.batch, seq_len=run.seq, hardware=run.hardware,
-                              dtype=run.dtype, space=space)
-        ratio = _throughput(run, model, result.chosen) / run.figure
-        assert 0.5 < ratio < 0.75, f"{name}: ratio {ratio:.2f}; update KNOWN_MISSES"
+def test_llama3_405b_without_block_recomputation_misses() -> None:
+    """Checkpointing all blocks or none (this project's strategy) leaves the 405B row at ~0.70: the
+    gain above comes from modelling block recomputation, not from retuned constants."""
+    run = RUNS["llama3-405B-16k"]
+    model = run.build()
+    tp, pp, dp = run.degrees
+    space = SearchSpace(tensor_parallel_size=tp, pipeline_parallel_size=pp, cpu_offload=(False,))
+    result = plan_layouts(model, run.gpus, global_batch=run.batch, seq_len=run.seq, hardware=run.hardware,
+                          dtype=run.dtype, space=space)
+    ratio = _throughput(run, model, result.chosen) / run.figure
+    assert result.chosen.layout.activation_checkpointing and 0.5 < ratio < 0.75, ratio

@@ -50,6 +50,10 @@ class SearchSpace:
     microbatches: int | Callable[[int, str], int] | None = None  # None: every divisor of the per-rank batch
     # the schedule accepts; a callable maps (pp, schedule) to the count (the strategy's "auto" rule)
     require_model_parallel: bool = False
+    # Where a layout without checkpointing does not fit, also try checkpointing only the fewest
+    # blocks per pipeline rank that make it fit (Megatron-LM's block recomputation). Off by
+    # default: this project's strategy checkpoints every block or none.
+    partial_recompute: bool = False
 
 
 @dataclass(frozen=True)
@@ -334,15 +338,44 @@ def _options(facts: ModelFacts, base: Layout, shares: list, hw: HardwareProfile,
                                                  activation_checkpointing=ac, cpu_offload=offload, sequence_parallel=sp)
                     result.evaluated += 1
                     pred = predict(facts, layout, shares, work, hw)
-                    reason = check(layout) if check is not None else None
-                    if reason:
-                        result.rejected.append(Rejection(layout.describe(), reason, pred))
-                    elif pred.peak_bytes > usable + hw.reserved_bytes:
-                        over = (pred.peak_bytes - usable - hw.reserved_bytes) / GiB
-                        pred.fits, pred.reason = False, f"does not fit by {over:.2f} GiB"
-                        result.rejected.append(Rejection(layout.describe(), pred.reason, pred))
-                    else:
-                        result.ranked.append(pred)
+                    if not ac and space.partial_recompute and pred.peak_bytes > usable + hw.reserved_bytes:
+                        partial = _fewest_recomputed(facts, layout, shares, hw, work, usable + hw.reserved_bytes)
+                        if partial is not None:
+                            result.evaluated += 1
+                            _keep(partial, check, usable, hw, result)
+                    _keep(pred, check, usable, hw, result)
+
+
+def _keep(pred: Prediction, check: LayoutCheck | None, usable: int, hw: HardwareProfile, result: PlanResult) -> None:
+    """Rank ``pred`` or reject it (the engine refuses it, or it does not fit)."""
+    layout = pred.layout
+    reason = check(layout) if check is not None else None
+    if reason:
+        result.rejected.append(Rejection(layout.describe(), reason, pred))
+    elif pred.peak_bytes > usable + hw.reserved_bytes:
+        over = (pred.peak_bytes - usable - hw.reserved_bytes) / GiB
+        pred.fits, pred.reason = False, f"does not fit by {over:.2f} GiB"
+        result.rejected.append(Rejection(layout.describe(), pred.reason, pred))
+    else:
+        result.ranked.append(pred)
+
+
+def _fewest_recomputed(facts: ModelFacts, layout: Layout, shares: list, hw: HardwareProfile, work: Workload,  # type: ignore[type-arg]
+                       limit: float) -> Prediction | None:
+    """``layout`` with the fewest recomputed blocks per rank that fit in ``limit`` bytes (bisection:
+    memory falls as k grows), or None when even all but one do not fit (full checkpointing is its own option)."""
+    import dataclasses
+
+    most = max(s.layers for s in shares)
+    lo, hi, best = 1, most - 1, None
+    while lo <= hi:
+        k = (lo + hi) // 2
+        pred = predict(facts, dataclasses.replace(layout, recompute_layers=k), shares, work, hw)
+        if pred.peak_bytes <= limit:
+            best, hi = pred, k - 1
+        else:
+            lo = k + 1
+    return best
 
 
 __all__ = ["Layout", "PlanResult", "Prediction", "Rejection", "SearchSpace", "Workload", "plan_layouts"]

@@ -50,6 +50,11 @@ class Layout:
     virtual_stages: int = 1
     cpu_offload: bool = False
     sequence_parallel: bool = False
+    # Block recomputation (Megatron-LM's ``--recompute-method block --recompute-num-layers``): only
+    # the first k blocks of each pipeline rank are checkpointed. Our strategy checkpoints all blocks
+    # or none, so the planner searches this only when asked (SearchSpace.partial_recompute), to
+    # model engines that offer it; a layout with k > 0 has no strategy_kwargs equivalent.
+    recompute_layers: int = 0
 
     @property
     def dp(self) -> int:
@@ -72,6 +77,8 @@ class Layout:
             text += " sp"
         if self.activation_checkpointing:
             text += " ac"
+        elif self.recompute_layers:
+            text += f" ac{self.recompute_layers}/rank"
         if self.cpu_offload:
             text += " offload"
         if self.pp > 1:
@@ -169,6 +176,12 @@ def inflight(schedule: str, pp: int, m: int, virtual: int, rank: int) -> float:
     return float(min(m, pp - rank))
 
 
+def recomputed_layers(layout: Layout, layers: int) -> int:
+    """Blocks of a rank whose activations are recomputed in backward: all under activation
+    checkpointing, else the first ``recompute_layers`` (Megatron-LM's block recomputation)."""
+    return layers if layout.activation_checkpointing else min(layout.recompute_layers, layers)
+
+
 def bubble_factor(schedule: str, pp: int, m: int, virtual: int) -> float:
     """Pipelined time over ideal time: ``(m + (p - 1) / v) / m``."""
     if pp == 1:
@@ -244,10 +257,9 @@ def predict(facts: ModelFacts, layout: Layout, shares: list[RankShare], work: Wo
         scores = hw.attention_scores_stored or (L.tp > 1 and hw.tp_attention_scores_stored)
         layer_act = layer_activation_elements(facts, mb_tokens, work.seq_len, L.tp, scores, L.sequence_parallel, cb) * cb
         held = inflight(L.schedule, L.pp, m, L.virtual_stages, r)
-        if L.activation_checkpointing:
-            acts = share.layers * held * mb_tokens * facts.hidden * cb / (L.tp if L.sequence_parallel else 1) + layer_act
-        else:
-            acts = share.layers * held * layer_act
+        ck = recomputed_layers(L, share.layers)
+        block_input = mb_tokens * facts.hidden * cb / (L.tp if L.sequence_parallel else 1)
+        acts = (share.layers - ck) * held * layer_act + ck * held * block_input + (layer_act if ck else 0.0)
         # Last stage: the final norm's input and output, and at the start of backward the fp32
         # log-softmax kept by the loss, its gradient and the logits' gradient (measured peak).
         logits = mb_tokens * (facts.vocab * (cb + 8) + 2 * facts.hidden * cb) if share.last else 0.0
@@ -265,15 +277,15 @@ def predict(facts: ModelFacts, layout: Layout, shares: list[RankShare], work: Wo
         tokens_rank = per_dp_batch * work.seq_len
         flops = 6.0 * tokens_rank * share.matmul_params + 6.0 * tokens_rank * share.expert_params * top_frac
         flops += 12.0 * tokens_rank * work.seq_len * facts.hidden * share.layers / L.tp
-        if L.activation_checkpointing:
-            flops *= 4.0 / 3.0
+        frac = ck / share.layers if share.layers else 0.0  # of this rank's blocks, the recomputed share
+        flops *= 1.0 + frac / 3.0  # one more forward of the recomputed blocks
         compute = flops / hw.flops(work.dtype)
-        kernels = share.layers * m * (40 if not L.activation_checkpointing else 55) + (10 if share.last else 0) * m
+        kernels = share.layers * m * (40 + 15 * frac) + (10 if share.last else 0) * m
         compute += kernels * hw.kernel_overhead
         if L.tp > 1:  # DTensor dispatch per sharded op (about 10 per block forward, twice that backward)
-            compute += share.layers * m * (30 if not L.activation_checkpointing else 40) * hw.tp_op_overhead
+            compute += share.layers * m * (30 + 10 * frac) * hw.tp_op_overhead
         act_msg = mb_tokens * facts.hidden * cb
-        per_layer_ar = 4 + (2 if L.activation_checkpointing else 0)
+        per_layer_ar = 4 + 2 * frac
         tp_comm = share.layers * m * per_layer_ar * _ring(act_msg, L.tp, tp_link)
         if share.last and L.tp > 1:
             tp_comm += m * _ring(mb_tokens * facts.vocab * cb, L.tp, tp_link, factor=1.0)
@@ -345,4 +357,4 @@ def facts_expert_active(facts: ModelFacts) -> float:
     return facts.__dict__["_expert"] * (facts.top_k / max(facts.expert_counts) if facts.is_moe else 0.0)
 
 
-__all__ = ["DTYPE_BYTES", "Layout", "Prediction", "Workload", "bubble_factor", "inflight", "predict"]
+__all__ = ["DTYPE_BYTES", "Layout", "Prediction", "Workload", "bubble_factor", "inflight", "predict", "recomputed_layers"]

@@ -232,3 +232,30 @@ def test_hf_gradient_checkpointing_recomputes_traced_layers() -> None:
     reference = module(x)
     torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-6)
 
+
+
+class _HeadOutsideForward(nn.Module):
+    """A step that calls ``self(x)`` and then a child with parameters outside ``forward``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return self.head(self(batch)).sum()
+
+
+def test_a_child_called_beside_the_entry_is_found() -> None:
+    from lightning_parallel.strategies.pipeline_logging import model_calls, other_calls_error
+
+    module = _HeadOutsideForward()
+    assert model_calls(module, "training_step", (torch.ones(2, 4), 0), {}) == (1, ["head"])
+    x = torch.randint(0, 64, (2, 8))
+    for loss, entry in (("logits", ""), ("labels", "model")):  # self.model runs inside forward, or is the entry
+        assert model_calls(HFCausalLM(family="llama", n_layer=2, loss=loss), "training_step", ((x, x), 0), {}, entry=entry) == (1, [])
+    with pytest.raises(ValueError, match=r"calls self.head besides forward.*HINT: call those modules inside forward"):
+        raise other_calls_error("training_step", "forward", ["head"])

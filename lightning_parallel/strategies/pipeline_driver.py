@@ -77,9 +77,10 @@ from lightning_parallel.strategies.pipeline_logging import (
     LogCapture,
     LogRecord,
     StepDone,
-    count_forward_calls,
     detached_cpu,
     forward_twice_error,
+    model_calls,
+    other_calls_error,
     patched,
     probe_entry_inputs,
     reduce_microbatch_logs,
@@ -216,9 +217,11 @@ class PipelineDriver:
         meta = any(p.is_meta for p in self.module.parameters())
         target = self.module.get_submodule(entry.name) if entry.name else self.module
         with meta_output_forward(target, probe[1], probe[2], self.device, enabled=meta):
-            calls = count_forward_calls(self.module, hook, args, kwargs, entry=entry.name)
+            calls, others = model_calls(self.module, hook, args, kwargs, entry=entry.name)
         if calls > 1:
             raise forward_twice_error(hook, entry.describe())
+        if others:
+            raise other_calls_error(hook, entry.describe(), others)
         traced_kwargs, _ = split_kwargs(entry, self.module, probe[2])
         self._check_batch(hook, (probe[1], traced_kwargs), traced=None)
         cfg = self.config

@@ -89,6 +89,17 @@ def patched(module: nn.Module, **attrs: Callable[..., Any]) -> Iterator[None]:
                 object.__setattr__(module, name, old)
 
 
+def other_calls_error(hook: str, what: str, others: list[str]) -> Exception:
+    return config_error(
+        ValueError,
+        hook,
+        f"calls {', '.join(f'self.{n}' for n in others)} besides {what}",
+        f"the pipeline stages are cut from {what}; a module with parameters called outside it would run on the last "
+        "stage only, trained there and stale on every other rank",
+        f"call those modules inside {what} (e.g. in forward), or use a strategy without pipeline parallelism",
+    )
+
+
 def forward_twice_error(hook: str, what: str = "forward") -> Exception:
     return config_error(
         ValueError,
@@ -259,29 +270,61 @@ def _metric_snapshot(module: nn.Module) -> list[tuple[Metric, dict[str, Any]]]:
 
 
 def count_forward_calls(module: nn.Module, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any], entry: str = "") -> int:
-    """Run ``hook`` for real (no grad, RNG forked, logs muted, metric states restored) and count its
-    calls of ``forward`` (of the child ``entry``, when the step calls ``self.<entry>(...)``).
+    """Run ``hook`` for real and count its calls of ``forward`` (of the child ``entry``, when the
+    step calls ``self.<entry>(...)``); see :func:`model_calls`."""
+    return model_calls(module, hook, args, kwargs, entry)[0]
+
+
+def model_calls(module: nn.Module, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any], entry: str = "") -> tuple[int, list[str]]:
+    """Run ``hook`` for real (no grad, RNG forked, logs muted, metric states restored): how often it
+    calls the entry (``forward``, or the child ``entry``), and which other direct children with
+    parameters it calls outside that call.
 
     Why: a step that calls forward twice must fail on every rank before any stage sends; only a
-    real run reaches the second call. Done once, while every rank still holds every parameter.
+    real run reaches the second call. And a child called beside the entry (``self.head(self(x))``)
+    would run eagerly on the last stage only, its parameters trained there and stale everywhere
+    else. Done once, while every rank still holds every parameter.
     """
     calls = [0]
+    inside = [False]
+    others: list[str] = []
     target = module.get_submodule(entry) if entry else module
     inner = target.forward
 
     def counting(*a: Any, **k: Any) -> Any:
         calls[0] += 1
-        return inner(*a, **k)
+        inside[0] = True
+        try:
+            return inner(*a, **k)
+        finally:
+            inside[0] = False
 
+    def watching(name: str, child: nn.Module) -> Callable[..., Any]:
+        original = child.forward
+
+        def forward(*a: Any, **k: Any) -> Any:
+            if not inside[0] and name not in others:
+                others.append(name)
+            return original(*a, **k)
+
+        return forward
+
+    children = {n: c for n, c in module.named_children() if n != entry and c is not target and any(True for _ in c.parameters())}
     saved = _metric_snapshot(module)
     try:
-        with torch.no_grad(), torch.random.fork_rng(), patched(module, log=lambda *a, **k: None), patched(target, forward=counting):
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.no_grad())
+            stack.enter_context(torch.random.fork_rng())
+            stack.enter_context(patched(module, log=lambda *a, **k: None))
+            stack.enter_context(patched(target, forward=counting))
+            for name, child in children.items():
+                stack.enter_context(patched(child, forward=watching(name, child)))
             getattr(module, hook)(*args, **kwargs)
     finally:
         for metric, state in saved:
             for key, value in state.items():
                 setattr(metric, key, value)
-    return calls[0]
+    return calls[0], others
 
 
 def slice_batch(batch: Any, rows: Tensor, batch_size: int) -> Any:

@@ -1,14 +1,15 @@
 """Predicted peak memory per rank against a tensor-accurate measurement (within 15%), six layouts.
 
-One 2-rank spawned run trains the package's GPT (SGD with momentum, fp32; AdamW under zero1 fails in parallel/zero.py, see the report) through the real strategy
-(``Trainer`` + ``HybridParallelStrategy`` presets) under dp, ZeRO-1, ZeRO-2, ZeRO-3, tp2 and pp2
-for three steps each, with an exact live-bytes accounting (``LiveBytes``: torch ``MemTracker``'s storage tracking,
-following every tensor storage's allocation, resize and release) entered at the callback ``setup`` hook, before
-the strategy wraps the model, so DDP's buckets, FSDP2's shards and all-gather buffers, the
-tensor-parallel shards and the pipeline stage's recv buffers are all seen. The measured peak
-is the busiest rank's maximum of live tensor bytes during the training steps (forward, backward,
-optimizer step). The planner predicts the same layout's per-rank peak from the meta-device model,
-batch, sequence length and dtype. Neither side counts the CPU allocator's slack.
+One 2-rank spawned run trains the package's GPT (SGD with momentum, fp32) through the real
+strategy (``Trainer`` + ``HybridParallelStrategy`` presets) under dp, ZeRO-1, ZeRO-2, ZeRO-3, tp2
+and pp2 for three steps each. ``LiveBytes``, an exact live-bytes count (torch ``MemTracker``'s
+storage accounting: every tensor storage's allocation, resize and release), is entered at the
+callback ``setup`` hook, before the strategy wraps the model, so DDP's buckets, FSDP2's shards and
+all-gather buffers, the tensor-parallel shards and the pipeline stage's buffers are all seen. The
+measured peak is the busiest rank's maximum of live tensor bytes during the training steps
+(forward, backward, optimizer step). The planner predicts the same layout's per-rank peak from the
+meta-device model, batch, sequence length and dtype. Neither side counts the allocator's slack.
+(AdamW is not used: with it, zero1's ZeroRedundancyOptimizer fails to construct, see parallel/zero.py.)
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 from lightning_parallel.parallel.planner import SearchSpace, plan_layouts
 from lightning_parallel.parallel.planner_model import model_facts
 
-GPT_KW = {"vocab_size": 256, "block_size": 64, "n_layer": 4, "n_head": 4, "n_embd": 128, "optimizer": "sgd", "momentum": 0.9, "lr": 0.1}
+GPT_KW = {"vocab_size": 256, "block_size": 64, "n_layer": 4, "n_head": 4, "n_embd": 128,
+          "optimizer": "sgd", "momentum": 0.9, "lr": 0.1}
 GLOBAL_BATCH, SEQ, STEPS = 16, 64, 3
 LAYOUTS: dict[str, tuple[Any, dict[str, int]]] = {
     "dp": ("dp", {"tp": 1, "pp": 1, "zero": 0}),
@@ -69,13 +71,12 @@ class LiveBytes(TorchDispatchMode):
     def _freed(self, nbytes: int) -> None:
         self.live -= nbytes
 
-    def track_module(self, module: nn.Module, optimizers: list[Any] = ()) -> None:  # type: ignore[assignment]
+    def track_module(self, module: nn.Module) -> None:
+        """Count the tensors that exist before the mode is entered (the user's module as built)."""
         for t in [*module.parameters(), *module.buffers()]:
             self.track(t)
             if t.grad is not None:
                 self.track(t.grad)
-        for opt in optimizers:
-            tree_map_only(torch.Tensor, self.track, opt.state_dict()["state"])
 
     def __enter__(self) -> "LiveBytes":
         mode = self

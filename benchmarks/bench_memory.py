@@ -10,18 +10,21 @@ what it holds, see ``lightning_parallel/parallel/materialize.py``).
 Measured on every rank, two points: at ``on_train_start`` (set-up done; pipelines build their
 stages in the first step, so for them the second point includes it) and after the last step:
 
-* tensor-accurate peak live bytes: ``torch.distributed._tools.mem_tracker.MemTracker`` (a
-  dispatch mode; its per-module attribution is switched off that sees every tensor allocation and free on the CPU), entered before the
-  model is built, with its per-category breakdown (parameters, gradients, activations, temps);
+* tensor-accurate peak live bytes (``LiveBytes`` below: a dispatch mode that sees every tensor
+  an op returns and every storage resize, and the storage's free), entered before the model is
+  built; the set-up peak is reset at ``on_train_start`` so the second number is training's own;
 * peak RSS growth over the process at start (``VmHWM`` after ``clear_refs``; includes the
-  allocator's caching and everything that is not a tensor).
+  allocator's caching and everything that is not a tensor);
+* the parameters and gradients each rank holds after the last step (local storage).
 
-Ideal share per rank: ``(P + G) / ranks`` (P + G for ``ddp``, which replicates) plus the peak
-activation bytes the tracker saw on that rank (what the layout keeps). Printed: bytes and ratio
-to the ideal, worst rank per layout. Target: <= 1.15 x at both points.
+Ideal share per rank: ``(P + G) / ranks`` (``P + G`` for ``ddp``, which replicates). Printed per
+layout (worst rank): each number and its ratio to the share. The set-up peak and the held state
+are the model-state figures the 1.15 x target is about; the training peak also holds activations
+and the layout's transient copies (FSDP2's gathered blocks, pipeline buffers), which are printed
+as they are rather than folded into an "ideal".
 
 Run: ``python benchmarks/bench_memory.py`` (heavy: about 10 GiB of RAM for ``ddp`` at the default
-size; ``--layers 2 --width 256`` for a quick check of the script).
+size; ``--layers 4 --width 128 --heads 4 --vocab 256`` for a quick check of the script).
 """
 
 from __future__ import annotations

@@ -178,3 +178,31 @@ def test_strategy_3d_keeps_explicit_options_and_logs_the_choice() -> None:
     # A fixed data-parallel degree and ZeRO stage are kept; the planner fills in tp and pp.
     dims, choice = resolve(8, data_parallel_size=2, zero_stage=3)
     assert dims.dp == 2 and dims.tp * dims.pp == 4 and all(p.layout.zero_stage == 3 for p in choice.plan.ranked)
+
+
+def test_block_recomputation_only_when_asked_and_the_fewest_blocks_that_fit() -> None:
+    import dataclasses
+
+    from lightning_parallel.parallel.planner_cost import Workload, predict
+    from lightning_parallel.parallel.planner_model import model_facts
+
+    facts = model_facts(_gpt(n_layer=8))
+    space = dict(tensor_parallel_size=1, pipeline_parallel_size=1, zero_stages=(0,), cpu_offload=(False,))
+    both = plan_layouts(facts, 1, global_batch=64, hardware="a100-80gb", dtype="bf16", space=SearchSpace(**space))
+    none, full = (_find(both, activation_checkpointing=ac) for ac in (False, True))
+    memory = int((none.peak_bytes + full.peak_bytes) / 2)  # checkpointing every block fits, none does not
+    default = plan_layouts(facts, 1, global_batch=64, hardware="a100-80gb", dtype="bf16", device_memory=memory,
+                           space=SearchSpace(**space))
+    assert all(p.layout.recompute_layers == 0 for p in default.ranked)  # the strategy cannot run it
+    asked = plan_layouts(facts, 1, global_batch=64, hardware="a100-80gb", dtype="bf16", device_memory=memory,
+                         space=SearchSpace(**space, partial_recompute=True))
+    partial = _find(asked, activation_checkpointing=False, recompute_layers=asked.chosen.layout.recompute_layers)
+    k = partial.layout.recompute_layers
+    assert 0 < k < 8 and partial.fits and asked.chosen is partial
+    assert full.peak_bytes < partial.peak_bytes <= memory < none.peak_bytes
+    assert none.step_time < partial.step_time < full.step_time  # recomputes k of 8 blocks, not all
+    work = Workload(global_batch=64, seq_len=16, dtype="bf16")
+    shares = facts.shares(1, 1, 1, "single")
+    fewer = predict(facts, dataclasses.replace(partial.layout, recompute_layers=k - 1), shares, work, get_profile("a100-80gb"))
+    assert fewer.peak_bytes > memory  # k is the fewest that fit
+    assert partial.layout.strategy_kwargs()["recompute_layers"] == k  # the strategy refuses the kwarg, loudly

@@ -97,6 +97,10 @@ class Layout:
             out.update(hybrid_shard=True, data_parallel_replicate_size=self.dp_replicate)
         if self.pp > 1:
             out.update(pipeline_schedule=self.schedule, microbatches=self.microbatches, virtual_stages=self.virtual_stages)
+        if self.recompute_layers and not self.activation_checkpointing:
+            # Not an option of HybridParallelStrategy: kept so that passing these kwargs fails loudly
+            # (TypeError) instead of silently training without the recomputation the prediction assumed.
+            out["recompute_layers"] = self.recompute_layers
         return out
 
 

@@ -8,6 +8,8 @@ so ``configure_optimizers`` stays as written.
 
 from __future__ import annotations
 
+import inspect
+
 import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim import Optimizer
@@ -22,7 +24,13 @@ def shard_optimizer_state(optimizer: Optimizer, group: dist.ProcessGroup) -> Zer
         g["params"] = list(g["params"])
     first, rest = groups[0], groups[1:]
     params = first.pop("params")
-    sharded = ZeroRedundancyOptimizer(params, optimizer_class=type(optimizer), process_group=group, **first)
+    # Only what the optimizer's constructor takes: a group also holds keys its constructor derives
+    # (AdamW's ``decoupled_weight_decay``) or a scheduler added (``initial_lr``); set those after.
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
+    ctor = {k: v for k, v in first.items() if takes_any or k in accepted}
+    sharded = ZeroRedundancyOptimizer(params, optimizer_class=type(optimizer), process_group=group, **ctor)
+    sharded.param_groups[0].update({k: v for k, v in first.items() if k not in ctor})
     for g in rest:
         sharded.add_param_group(g)
     return sharded

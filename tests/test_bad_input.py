@@ -132,3 +132,13 @@ def test_presets_take_overrides_through_the_same_checks() -> None:
 
 def test_the_count_readme_states() -> None:
     assert len(CASES) == 66  # README, "Bad input": keep both in step when adding cases
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed", "bf16-true"])
+def test_pipelines_refuse_a_trainer_precision_they_would_ignore(precision: str) -> None:
+    import lightning.pytorch as pl
+
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="pp", precision=precision, logger=False)
+    with pytest.raises(ValueError, match=r"`Trainer\(precision\)`=.* pipeline stages .* HINT: use precision='32-true'"):
+        trainer.strategy.setup_environment()
+    assert not (dist.is_available() and dist.is_initialized())

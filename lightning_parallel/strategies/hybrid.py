@@ -77,7 +77,12 @@ from lightning_parallel.strategies.async_checkpoint import AsyncCheckpointWriter
 from lightning_parallel.strategies.collective_errors import explain_collective_errors, nccl_watchdog_defaults
 from lightning_parallel.strategies.nonfinite import NonFiniteGuard, NonFiniteMode, validate_nonfinite
 from lightning_parallel.strategies.process_group import default_backend, init_process_group
-from lightning_parallel.strategies.options import as_timedelta, validate_more_options, validate_options
+from lightning_parallel.strategies.options import (
+    as_timedelta,
+    check_pipeline_precision,
+    validate_more_options,
+    validate_options,
+)
 
 
 # A module is parallelised in place once (fully_shard and checkpoint hooks cannot be applied
@@ -375,6 +380,7 @@ class HybridParallelStrategy(ParallelStrategy):
         self._dims = self.resolve_dims()
         self._resolve_plans()
         check_layer_sync(self._layer_sync, self._dims, self.lightning_module)  # Trainer(sync_batchnorm=True)
+        check_pipeline_precision(self.precision_plugin, self._dims)  # Trainer(precision=...) not yet in stages
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()

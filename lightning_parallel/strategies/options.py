@@ -221,3 +221,21 @@ def validate_more_options(
         )
     _check_backend(process_group_backend)
 
+
+def check_pipeline_precision(precision_plugin: Any, dims: Any) -> None:
+    """``Trainer(precision=...)`` other than 32-bit under pipeline parallelism is refused, not ignored.
+
+    The traced stages run outside Lightning's precision context (no autocast, no gradient
+    scaler), so ``bf16-mixed`` would silently train in float32 and ``16-mixed``'s loss scaling
+    would not reach the schedule's backward. Until stages honour it, it is an error.
+    """
+    precision = str(getattr(precision_plugin, "precision", "32-true"))
+    if dims.pp > 1 and precision not in ("32-true", "32"):
+        raise config_error(
+            ValueError, "Trainer(precision)", precision,
+            f"pipeline stages (pipeline_parallel_size={dims.pp}) do not run under the Trainer's precision yet: they would"
+            " compute in float32 (and 16-mixed's loss scaling would not reach the schedule's backward)",
+            "use precision='32-true' with pipeline parallelism, or a layout without pipelines (dp, zero1-3, tp, ep),"
+            " which honour bf16-mixed",
+        )
+

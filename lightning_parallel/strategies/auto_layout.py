@@ -29,7 +29,7 @@ def _compute_dtype(strategy: Any) -> str:
 
 def engine_check(strategy: Any, module: nn.Module) -> Any:
     """A ``Layout -> reason | None`` callable with the strategy's validation rules for that layout."""
-    from lightning_parallel.strategies.options import validate_options
+    from lightning_parallel.strategies.options import check_pipeline_precision, validate_options
     from lightning_parallel.strategies.pipeline_driver import resolve_pipeline_config
 
     def check(layout: Layout) -> str | None:
@@ -45,6 +45,7 @@ def engine_check(strategy: Any, module: nn.Module) -> Any:
                 sequence_parallel=strategy.sequence_parallel, tp_plan=strategy.tp_plan, loss_parallel=strategy.loss_parallel,
             )
             if layout.pp > 1:
+                check_pipeline_precision(strategy.precision_plugin, layout)  # Trainer(precision) != 32-true
                 resolve_pipeline_config(
                     module, layout.pp, strategy.pipeline_schedule, layout.microbatches, strategy.virtual_stages,
                     strategy.split_points, zero_stage=strategy.zero_stage, tp=layout.tp, mixed_precision=strategy.mixed_precision,

@@ -639,11 +639,11 @@ class HybridParallelStrategy(ParallelStrategy):
                                          in_place=in_place, also=also, full_shapes=full_shapes)
         self._meta_report = report  # for the monitor and the tests: what this rank holds, the largest temporary
         run_pending_loads(module)  # load_pretrained(...) on the meta model: each rank reads the slices it holds
-        return report.replaced
         rank_zero_info(
             f"Materialised the meta-device model: {report.local_bytes / 2**20:.1f} MiB held on rank 0, largest"
             f" initialisation temporary {report.peak_temporary_bytes / 2**20:.1f} MiB"
         )
+        return report.replaced
 
     # ------------------------------------------------------------------ steps
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:

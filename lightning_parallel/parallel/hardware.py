@@ -48,6 +48,12 @@ class HardwareProfile:
     reserved_bytes: int = 0  # runtime context, allocator slack: not available to tensors
     attention_scores_stored: bool = False  # False: fused (flash) attention keeps no s x s scores
     tp_attention_scores_stored: bool = False  # under tensor parallelism (on CPU the strategy runs the math kernel)
+    # Measured by parallel/calibrate.py on this machine's real ranks; the defaults price nothing
+    # extra, which is what the published-configuration tests of the GPU profiles were checked with.
+    collective_scale: dict[str, float] = field(default_factory=dict)  # per-byte cost vs the ring formula
+    fsdp_unit_overhead: dict[int, float] = field(default_factory=dict)  # ZeRO stage -> s per FSDP unit per step
+    tp_pair_overhead: float = 0.0  # s per column+row parallel pair per forward+backward, beyond its all-reduces
+    comm_overlap: float = 1.0  # fraction of an asynchronous collective that hides under compute
     notes: str = field(default="", compare=False)
 
     def flops(self, dtype: str) -> float:
@@ -146,11 +152,15 @@ def _socket_round_trip(rounds: int = 200) -> float:
         b.close()
 
 
-def calibrate_cpu(size: int = 256, repeats: int = 5) -> HardwareProfile:
-    """Measure this machine: fp32 matmul FLOP/s, memory-copy bandwidth, op overhead, socket latency.
+def calibrate_cpu(size: int = 256, repeats: int = 5, processes: int = 2) -> HardwareProfile:
+    """Measure this machine: fp32 matmul FLOP/s, memory-copy bandwidth, op overhead, socket latency,
+    and with ``processes >= 2`` the collectives, FSDP2 and DTensor overheads on that many spawned gloo
+    ranks (:func:`~lightning_parallel.parallel.calibrate.calibrate_collectives`, about 10 s).
 
-    Takes well under a second. Not used by the strategy (ranks would measure different numbers
-    and could choose different layouts); the dry run uses it with ``hardware=calibrate``.
+    Without processes it takes well under a second but prices collectives from a socket round
+    trip, which a gloo collective exceeds forty-fold. Not used by the strategy (ranks would
+    measure different numbers and could choose different layouts); the dry run uses it with
+    ``hardware=calibrate``.
     """
     a = torch.randn(size, size)
     b = torch.randn(size, size)
@@ -164,7 +174,14 @@ def calibrate_cpu(size: int = 256, repeats: int = 5) -> HardwareProfile:
     pages = os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
     memory = int(pages * os.sysconf("SC_PAGE_SIZE")) if pages else PROFILES["cpu"].memory_bytes
     nominal = PROFILES["cpu"]
-    return nominal.with_overrides(
+    ranks: dict[str, object] = {}
+    if processes >= 2:
+        from lightning_parallel.parallel.calibrate import calibrate_collectives
+
+        ranks = calibrate_collectives(processes)
+        # The tp pair's measured overhead includes DTensor's dispatch: the nominal per-op guess goes.
+        ranks["tp_op_overhead"] = 0.0
+    profile = nominal.with_overrides(
         name="cpu-calibrated",
         peak_flops={"fp32": flops, "bf16": flops / 5, "fp16": flops / 10},
         memory_bytes=memory, intra_bandwidth=copy_bw / 4, inter_bandwidth=copy_bw / 8,
@@ -173,6 +190,15 @@ def calibrate_cpu(size: int = 256, repeats: int = 5) -> HardwareProfile:
         notes=f"measured: {flops / 1e9:.1f} GFLOP/s fp32 ({size}x{size} mm), {copy_bw / 1e9:.1f} GB/s copy, "
         f"{overhead * 1e6:.1f} us per op, {latency * 1e6:.1f} us socket latency",
     )
+    if not ranks:
+        return profile
+    fsdp = ranks["fsdp_unit_overhead"]
+    assert isinstance(fsdp, dict)
+    notes = (f"{profile.notes}; {processes} gloo ranks: {float(ranks['intra_latency']) * 1e3:.2f} ms collective latency, "  # type: ignore[arg-type]
+             f"{float(ranks['intra_bandwidth']) / 1e9:.2f} GB/s, FSDP2 unit {fsdp[2] * 1e3:.2f}/{fsdp[3] * 1e3:.2f} ms "  # type: ignore[arg-type]
+             f"(zero2/zero3), tp pair {float(ranks['tp_pair_overhead']) * 1e3:.2f} ms, overlap {float(ranks['comm_overlap']):.2f}")  # type: ignore[arg-type]
+    return profile.with_overrides(inter_latency=2 * float(ranks["intra_latency"]),  # type: ignore[arg-type]
+                                  inter_bandwidth=float(ranks["intra_bandwidth"]) / 2, notes=notes, **ranks)  # type: ignore[arg-type]
 
 
 def profile_for_device(device: torch.device) -> HardwareProfile:

@@ -160,13 +160,15 @@ class Prediction:
         }
 
 
-def _ring(nbytes: float, n: int, link: tuple[float, float], factor: float = 2.0) -> float:
-    """All-reduce (``factor=2``) or all-gather / reduce-scatter (``factor=1``) over ``n`` ranks."""
+def _ring(nbytes: float, n: int, link: tuple[float, float], factor: float = 2.0, scale: float = 1.0) -> float:
+    """All-reduce (``factor=2``) or all-gather / reduce-scatter (``factor=1``) over ``n`` ranks;
+    ``scale``: the measured per-byte cost of this collective against the ring formula (gloo's
+    all-gather and reduce-scatter are slower per byte than its all-reduce; 1 on NCCL profiles)."""
     if n <= 1 or nbytes <= 0:
         return 0.0
     bandwidth, latency = link
     steps = math.ceil(math.log2(n))  # latency of tree/hierarchical algorithms (NCCL's choice at scale)
-    return factor * (n - 1) / n * nbytes / bandwidth + factor * steps * latency
+    return factor * (n - 1) / n * nbytes / bandwidth * scale + factor * steps * latency
 
 
 def inflight(schedule: str, pp: int, m: int, virtual: int, rank: int) -> float:
@@ -232,6 +234,8 @@ def predict(facts: ModelFacts, layout: Layout, shares: list[RankShare], work: Wo
     ep_link = hw.link(L.tp * L.ep > dpn)
     pp_link = hw.link(L.tp * L.dp >= dpn)
     top_frac = facts.top_k / max(facts.expert_counts) if facts.is_moe else 0.0
+    ag_scale = hw.collective_scale.get("all_gather", 1.0)
+    rs_scale = hw.collective_scale.get("reduce_scatter", 1.0)
 
     worst_mem: dict[str, float] = {"total": -1.0}
     worst_time: dict[str, float] = {"compute": 0.0}
@@ -288,11 +292,13 @@ def predict(facts: ModelFacts, layout: Layout, shares: list[RankShare], work: Wo
         compute += kernels * hw.kernel_overhead
         if L.tp > 1:  # DTensor dispatch per sharded op (about 10 per block forward, twice that backward)
             compute += share.layers * m * (30 + 10 * frac) * hw.tp_op_overhead
+            # Measured per column+row pair (attention, MLP: two per block), recomputed ones again
+            compute += share.layers * m * 2 * (1 + frac / 2) * hw.tp_pair_overhead
         act_msg = mb_tokens * facts.hidden * cb
         per_layer_ar = 4 + 2 * frac
         tp_comm = share.layers * m * per_layer_ar * _ring(act_msg, L.tp, tp_link)
         if share.last and L.tp > 1:
-            tp_comm += m * _ring(mb_tokens * facts.vocab * cb, L.tp, tp_link, factor=1.0)
+            tp_comm += m * _ring(mb_tokens * facts.vocab * cb, L.tp, tp_link, factor=1.0, scale=ag_scale)
         ep_comm = share.moe_layers * m * 4 * _ring(act_msg * facts.top_k, L.ep, ep_link, factor=0.5) if L.ep > 1 else 0.0
         rank_time = compute + tp_comm + ep_comm
         if rank_time > worst_rank_compute:
@@ -314,18 +320,24 @@ def predict(facts: ModelFacts, layout: Layout, shares: list[RankShare], work: Wo
         buckets = max(1, int(-(-grad_msg // 25e6)))
         dp_comm = _ring(grad_msg, L.dp, dp_link) + (buckets - 1) * 2 * math.ceil(math.log2(max(1, L.dp))) * dp_link[1]
         if L.zero_stage == 1 and L.dp > 1:
-            dp_comm += _ring(params * work.param_dtype_bytes, L.dp, dp_link, factor=1.0)  # updated shards re-gathered
+            dp_comm += _ring(params * work.param_dtype_bytes, L.dp, dp_link, factor=1.0, scale=ag_scale)  # updated shards re-gathered
+            # ... one broadcast per parameter tensor (torch's ZeroRedundancyOptimizer without bucket views)
+            dp_comm += facts.param_tensors / L.pp * math.ceil(math.log2(L.dp)) * dp_link[1]
     else:
         gathers = 2 * m if L.zero_stage == 3 else 1
-        dp_comm = _ring(grad_msg, L.dp_shard, shard_link, factor=1.0)
-        dp_comm += gathers * _ring(params * cb, L.dp_shard, shard_link, factor=1.0)
+        dp_comm = _ring(grad_msg, L.dp_shard, shard_link, factor=1.0, scale=rs_scale)
+        dp_comm += gathers * _ring(params * cb, L.dp_shard, shard_link, factor=1.0, scale=ag_scale)
         dp_comm += _ring(grad_msg / L.dp_shard, L.dp_replicate, dp_link)
         per_unit = (1 + gathers) * (math.ceil(math.log2(max(1, L.dp_shard))) * shard_link[1] + 10 * hw.kernel_overhead)
         dp_comm += (units - 1) * per_unit
+    # Hooks, copy-in/copy-out and waits of each FSDP unit, per microbatch (measured by calibrate.py):
+    # work of the training thread itself, which nothing overlaps.
+    fsdp_overhead = units * m * hw.fsdp_unit_overhead.get(L.zero_stage, 0.0) if L.zero_stage >= 2 else 0.0
     backward = worst_time["compute"] * 2.0 / 3.0
     window = backward / m if L.pp > 1 else backward
     if L.zero_stage == 3:
         window = worst_time["compute"]
+    window *= hw.comm_overlap  # on CPU ranks that use every core, collectives hide under nothing
     exposed_dp = max(0.0, dp_comm - window) + (dp_link[1] * 2 if L.dp > 1 else 0.0)
     opt_params = params / (L.dp if L.zero_stage >= 1 else 1)
     optimizer = opt_params * 28 / hw.memory_bandwidth
@@ -338,9 +350,9 @@ def predict(facts: ModelFacts, layout: Layout, shares: list[RankShare], work: Wo
     time = {
         "compute": worst_time["compute"], "tp_comm": worst_time["tp_comm"], "ep_comm": worst_time["ep_comm"],
         "pipeline_bubble": pipelined - worst_rank_compute, "pp_p2p": p2p, "dp_comm_exposed": exposed_dp,
-        "dp_comm_total": dp_comm, "optimizer": optimizer, "cpu_offload": offload,
+        "dp_comm_total": dp_comm, "fsdp_overhead": fsdp_overhead, "optimizer": optimizer, "cpu_offload": offload,
     }
-    time["total"] = pipelined + p2p + exposed_dp + optimizer + offload
+    time["total"] = pipelined + p2p + exposed_dp + fsdp_overhead + optimizer + offload
     model_flops = 6.0 * work.tokens * (facts_matmul(facts) + facts_expert_active(facts)) + 12.0 * work.tokens * work.seq_len * facts.hidden * facts.n_blocks
     return Prediction(layout=L, memory=worst_mem, time=time, model_flops=model_flops, world=L.world, tokens=work.tokens,
                       extra={"model_state_max": model_state_max})

@@ -75,6 +75,13 @@ class ModelFacts:
     def is_moe(self) -> bool:
         return bool(self.expert_counts)
 
+    @property
+    def param_tensors(self) -> int:
+        """Parameter tensors: ZeRO-1's ``ZeroRedundancyOptimizer`` broadcasts each one separately."""
+        if "_param_tensors" not in self.__dict__:
+            self.__dict__["_param_tensors"] = sum(1 for _ in self.module.parameters())
+        return self.__dict__["_param_tensors"]
+
     def tp_reason(self, tp: int) -> str | None:
         """None when the tensor-parallel plan splits every planned module over ``tp``, else why not."""
         entry = self._tp_entry(tp)

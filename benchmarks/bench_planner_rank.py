@@ -7,12 +7,13 @@ spawned ranks then train each layout through ``Trainer`` + the strategy for ``--
 ``--rounds`` times, the layouts interleaved (each round in a rotated order, so a slow spell of a
 shared machine lands on different layouts); a layout's measured step time is the median over
 rounds of its per-round median step (first ``--warmup`` steps dropped). Prints both and the
-Spearman rank correlation (issue #16 asks for at least 0.8).
+Spearman rank correlation (issue #16 asks for at least 0.8), for each of ``--runs`` independent
+runs (each calibrates afresh), then all of them.
 
 Timing on a shared machine measures the machine as much as the code: run it when the load average
 is low (it refuses above ``--max-load`` unless ``--force``).
 
-    python benchmarks/bench_planner_rank.py [--rounds 5] [--steps 8] [--warmup 2]
+    python benchmarks/bench_planner_rank.py [--runs 3] [--rounds 5] [--steps 8] [--warmup 2]
 """
 
 from __future__ import annotations
@@ -125,6 +126,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--runs", type=int, default=3, help="independent calibrate-and-measure runs")
     parser.add_argument("--max-load", type=float, default=3.0)
     parser.add_argument("--force", action="store_true")
     parser.add_argument("--root", default="/tmp/bench_planner_rank")
@@ -137,16 +139,24 @@ def main() -> None:
     from lightning_parallel.parallel.hardware import calibrate_cpu
     from lightning_parallel.testing import run_distributed
 
-    profile = calibrate_cpu()
-    print(f"calibrated: {profile.notes}")
-    measured = run_distributed(_rounds, 2, args.root, args.rounds, args.steps, args.warmup, init_backend=None, timeout=3600)[0]
     names = list(LAYOUTS)
-    pred = [predicted_step(LAYOUTS[n][1], profile) for n in names]
-    meas = [statistics.median(measured[n]) for n in names]
-    print(f"{'layout':8} {'predicted ms':>13} {'measured ms':>12}  per-round medians (ms)")
-    for n, p, m in zip(names, pred, meas):
-        print(f"{n:8} {p * 1e3:13.1f} {m * 1e3:12.1f}  " + " ".join(f"{t * 1e3:.1f}" for t in measured[n]))
-    print(f"Spearman rank correlation: {spearman(pred, meas):.2f} (load average at start {load:.1f})")
+    results = []
+    for run in range(args.runs):  # each run calibrates afresh, then times every layout
+        start_load = os.getloadavg()[0]
+        profile = calibrate_cpu()
+        print(f"run {run + 1}/{args.runs} calibrated: {profile.notes}")
+        measured = run_distributed(_rounds, 2, f"{args.root}/{run}", args.rounds, args.steps, args.warmup,
+                                   init_backend=None, timeout=3600)[0]
+        pred = [predicted_step(LAYOUTS[n][1], profile) for n in names]
+        meas = [statistics.median(measured[n]) for n in names]
+        print(f"{'layout':8} {'predicted ms':>13} {'measured ms':>12}  per-round medians (ms)")
+        for n, p, m in zip(names, pred, meas):
+            print(f"{n:8} {p * 1e3:13.1f} {m * 1e3:12.1f}  " + " ".join(f"{t * 1e3:.1f}" for t in measured[n]))
+        rho = spearman(pred, meas)
+        results.append(rho)
+        print(f"run {run + 1}: Spearman rank correlation {rho:.2f} (load average at start {start_load:.1f})")
+    print(f"Spearman over {len(results)} runs: " + ", ".join(f"{r:.2f}" for r in results)
+          + f"; median {statistics.median(results):.2f}, least {min(results):.2f}")
 
 
 if __name__ == "__main__":

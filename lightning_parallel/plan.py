@@ -32,7 +32,9 @@ Flags: ``--world-size N`` (else ``--nodes x --devices-per-node``, else as above)
 (sequences per step; default ``data.batch_size x world size``), ``--seq-len`` (default the
 data's or model's ``block_size``), ``--dtype`` (``bf16``, ``fp16``, ``fp32``), ``--optimizer``
 (``adamw``, ``sgd``, ``sgd_momentum``), ``--3d`` (only the layouts ``strategy="3d"`` would choose
-from), ``--top K`` rows, ``--json`` (the keys are listed in README's section "Choosing a layout: the planner").
+from), ``--partial-recompute`` (also search Megatron-style block recomputation, which this project's
+strategy does not run: for comparing with engines that do), ``--top K`` rows, ``--json`` (the keys are
+listed in README's section "Choosing a layout: the planner").
 """
 
 from __future__ import annotations
@@ -200,7 +202,7 @@ _FLAGS = {
     "--world-size": int, "--nodes": int, "--devices-per-node": int, "--hardware": str, "--device-memory-gib": float,
     "--global-batch": int, "--seq-len": int, "--dtype": str, "--optimizer": str, "--top": int,
 }
-_SWITCHES = ("--search", "--json", "--3d")
+_SWITCHES = ("--search", "--json", "--3d", "--partial-recompute")
 
 
 def _split_flags(args: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
@@ -255,7 +257,8 @@ def search(cfg: DictConfig, flags: dict[str, Any]) -> str:
     result = plan_layouts(
         model, world, global_batch=batch, seq_len=int(seq) if seq else None, hardware=profile, devices_per_node=per_node,
         device_memory=int(memory * GiB) if memory else None, dtype=flags.get("--dtype", "bf16"),
-        optimizer=flags.get("--optimizer", "adamw"), space=SearchSpace(require_model_parallel=bool(flags.get("--3d"))),
+        optimizer=flags.get("--optimizer", "adamw"),
+        space=SearchSpace(require_model_parallel=bool(flags.get("--3d")), partial_recompute=bool(flags.get("--partial-recompute"))),
     )
     top = flags.get("--top", 15)
     if flags.get("--json"):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -129,3 +130,21 @@ def test_search_flag_errors_exit_non_zero(capsys: pytest.CaptureFixture[str]) ->
     assert code == 2 and "unknown hardware profile" in err
     code, _, err = _run(["--search", "--bogus", "model=gpt"], capsys)
     assert code == 2 and "--bogus" in err
+
+
+def test_search_partial_recompute_flag_reaches_the_planner(capsys: pytest.CaptureFixture[str],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    import lightning_parallel.parallel.planner as planner
+
+    seen: list[Any] = []
+    real = planner.plan_layouts
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        seen.append(kwargs["space"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(planner, "plan_layouts", spy)
+    for extra, expected in (([], False), (["--partial-recompute"], True)):
+        code, _, err = _run(["--search", "--world-size", "8", "--hardware", "h100", *extra, "model=gpt"], capsys)
+        assert code == 0, err
+        assert seen[-1].partial_recompute is expected

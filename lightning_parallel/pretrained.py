@@ -47,10 +47,10 @@ import torch
 from lightning.pytorch import Callback
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from typing_extensions import override
 
+from lightning_parallel.compat import compute_local_shape_and_global_offset
 from lightning_parallel.errors import config_error
 
 _PENDING_ATTR = "_lp_pending_pretrained"

@@ -25,8 +25,9 @@ import time
 from typing import Any
 
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from typing_extensions import override
+
+from lightning_parallel.compat_lightning import SubprocessScriptLauncher as _SubprocessScriptLauncher
 
 # Ranks finish the same work as rank 0; after rank 0 is done they only tear down. Generous.
 FINISH_TIMEOUT_S = 300.0

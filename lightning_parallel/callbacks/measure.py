@@ -31,6 +31,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_parallel.compat import local_tensor as _dtensor_local
+from lightning_parallel.compat_lightning import unwrap_optimizer
+
 COLLECTIVES: tuple[str, ...] = (
     "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter",
     "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all", "all_to_all_single", "broadcast",
@@ -42,7 +45,7 @@ COLLECTIVES: tuple[str, ...] = (
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The part of ``tensor`` stored on this rank: a DTensor's local shard, else the tensor."""
-    local = getattr(tensor, "_local_tensor", None)
+    local = _dtensor_local(tensor)
     return local if isinstance(local, torch.Tensor) else tensor
 
 
@@ -65,7 +68,7 @@ def _bytes(tensors: Iterable[Any], seen: set[tuple[int, int, int]]) -> int:
 def local_optimizer(optimizer: Any) -> Any:
     """Unwrap Lightning's ``LightningOptimizer`` and ZeRO-1's ``ZeroRedundancyOptimizer`` to the
     optimizer whose ``state`` this rank actually holds."""
-    optimizer = getattr(optimizer, "_optimizer", optimizer)
+    optimizer = unwrap_optimizer(optimizer)
     inner = getattr(optimizer, "optim", None)  # ZeroRedundancyOptimizer keeps its partition here
     return inner if isinstance(inner, torch.optim.Optimizer) else optimizer
 

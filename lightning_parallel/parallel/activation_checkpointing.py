@@ -8,8 +8,8 @@ class), so the parameter names and therefore checkpoints stay those of the user'
 from __future__ import annotations
 
 from torch import nn
-from torch.distributed._composable import checkpoint
 
+from lightning_parallel.compat import checkpoint_module
 from lightning_parallel.parallel.blocks import find_repeated_blocks
 
 
@@ -17,5 +17,5 @@ def apply_activation_checkpointing(module: nn.Module, blocks: list[tuple[str, nn
     """Checkpoint every repeated block of ``module`` in place; return the names checkpointed."""
     blocks = find_repeated_blocks(module) if blocks is None else blocks
     for _, block in blocks:
-        checkpoint(block)
+        checkpoint_module(block)
     return [name for name, _ in blocks]

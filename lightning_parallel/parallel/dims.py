@@ -15,6 +15,7 @@ from typing import Literal
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from lightning_parallel.compat import flatten_mesh, unflatten_mesh
 from lightning_parallel.parallel.errors import config_error
 
 # Mesh axis names: the only place they are spelled.
@@ -181,11 +182,11 @@ class ParallelDims:
             return self._mesh
         mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_AXES)
         derived: dict[str, DeviceMesh] = {name: mesh[name] for name in MESH_AXES}
-        derived[DP] = mesh[(DP_REPLICATE, DP_SHARD)]._flatten(DP)
+        derived[DP] = flatten_mesh(mesh[(DP_REPLICATE, DP_SHARD)], DP)
         if self.pp > 1 and self.tp > 1:
-            derived[PP_DP] = mesh[(PP, DP_REPLICATE, DP_SHARD)]._flatten(PP_DP)
+            derived[PP_DP] = flatten_mesh(mesh[(PP, DP_REPLICATE, DP_SHARD)], PP_DP)
         if self.ep > 1:
-            expert = derived[DP]._unflatten(0, (self.dp // self.ep, self.ep), (EDP, EP))
+            expert = unflatten_mesh(derived[DP], 0, (self.dp // self.ep, self.ep), (EDP, EP))
             derived[EDP], derived[EP] = expert[EDP], expert[EP]
         object.__setattr__(self, "_mesh", mesh)
         object.__setattr__(self, "_axes", derived)

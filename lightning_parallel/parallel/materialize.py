@@ -50,8 +50,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.utils._device import DeviceContext, _device_constructors
 
+from lightning_parallel.compat import DeviceContext, device_constructors
 from lightning_parallel.parallel.errors import config_error
 
 _UNWRITTEN = "never initialised"
@@ -122,7 +122,7 @@ class MetaInitContext(DeviceContext):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if func in _device_constructors() and kwargs.get("device") is None and _inside_metric():
+        if func in device_constructors() and kwargs.get("device") is None and _inside_metric():
             kwargs["device"] = self.fallback
         return super().__torch_function__(func, types, args, kwargs)
 

@@ -39,9 +39,13 @@ from torch import Tensor, fx, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.pipelining import Pipe, pipe_split, pipeline
-from torch.distributed.pipelining.stage import _PipelineStage
-from torch.utils._pytree import tree_leaves
 
+from lightning_parallel.compat import (
+    GraphPipelineStage as _PipelineStage,
+    run_generated_code,
+    schedule_stages,
+    tree_leaves,
+)
 from lightning_parallel.parallel.clip import total_norm
 from lightning_parallel.parallel.errors import config_error
 from lightning_parallel.parallel.pipeline_moe import hold_unit_tensors, opaque_forwards
@@ -196,9 +200,7 @@ def _run_generated_code(stage_module: nn.Module) -> None:
     hand-written ``torch.distributed.pipelining`` loop (``benchmarks/bench_pipeline_vs_manual.py``)
     that made a stage's forward about twice as slow. The generated code runs the same graph.
     """
-    for sub in stage_module.modules():
-        if hasattr(sub, "_run_with_interpreter"):
-            sub._run_with_interpreter = False
+    run_generated_code(stage_module)
 
 
 class CheckpointedForward:
@@ -298,7 +300,7 @@ class PipelineRuntime:
     @property
     def stages(self) -> list[_PipelineStage]:
         """This rank's training stages (``.submod`` is the stage module; for wrapping or profiling)."""
-        return list(self._train._stages) if hasattr(self._train, "_stages") else [self._train._stage]
+        return schedule_stages(self._train)
 
     # ownership -------------------------------------------------------------------------------
     def owned_parameter_names(self) -> set[str]:
@@ -348,7 +350,7 @@ class PipelineRuntime:
         schedule = self._train if train else self._eval
         if schedule is None:
             return []
-        return [s.submod for s in (schedule._stages if hasattr(schedule, "_stages") else [schedule._stage])]
+        return [s.submod for s in schedule_stages(schedule)]
 
     # steps ---------------------------------------------------------------------------------------
     def _scaled_loss(self, output: Any, target: Any) -> Tensor:

@@ -28,7 +28,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
+
+from lightning_parallel.compat import tree_map
 
 _META = torch.device("meta")
 

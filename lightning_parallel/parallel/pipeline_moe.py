@@ -47,10 +47,10 @@ from typing import Any
 
 import torch
 from torch import Tensor, fx, nn
-from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
+from lightning_parallel.compat import FakeTensor
 from lightning_parallel.nn.moe import MoE, MoEStats, clear_moe_stats, collect_moe_losses, named_moe_stats
 from lightning_parallel.parallel.errors import config_error
 from lightning_parallel.parallel.expert_parallel import apply_expert_parallel, find_expert_modules

@@ -25,10 +25,16 @@ import torch.distributed as dist
 from torch import Tensor, fx
 from torch.distributed.pipelining import Pipe
 from torch.distributed.pipelining import schedules as _sched
-from torch.distributed.pipelining._IR import _modify_graph_op_device
-from torch.distributed.pipelining.stage import _PipelineStage
-from torch.utils._pytree import tree_leaves, tree_map
 
+from lightning_parallel.compat import (
+    GraphPipelineStage,
+    PipelineAction,
+    PipelineComputationType,
+    PipelineScheduleRuntime,
+    modify_graph_op_device,
+    tree_leaves,
+    tree_map,
+)
 from lightning_parallel.parallel.errors import config_error
 
 StageStyle = Literal["single", "loop", "v"]
@@ -200,7 +206,7 @@ class _ForwardOnlyMapping(_sched.PipelineScheduleMulti):
             stage.stage_index_to_group_rank = self.stage_index_to_group_rank
 
 
-class ForwardOnlyMulti(_sched._PipelineScheduleRuntime, _ForwardOnlyMapping):
+class ForwardOnlyMulti(PipelineScheduleRuntime, _ForwardOnlyMapping):
     """Forward-only schedule for several stages per rank, in any placement (loop or V).
 
     torch's multi-stage schedules run their backward actions even without a loss function, so
@@ -214,7 +220,7 @@ class ForwardOnlyMulti(_sched._PipelineScheduleRuntime, _ForwardOnlyMapping):
         super().__init__(stages=stages, n_microbatches=microbatches, loss_fn=None, scale_grads=False)
         order: dict[int, list[Any]] = {r: [] for r in range(self.pp_group_size)}
         for stage, rank in enumerate(stage_ranks):
-            order[rank].extend(_sched._Action(stage, _sched._ComputationType.FORWARD, mb) for mb in range(microbatches))
+            order[rank].extend(PipelineAction(stage, PipelineComputationType.FORWARD, mb) for mb in range(microbatches))
         self.pipeline_order = order
         self._prepare_schedule_with_comms(order)
 
@@ -262,7 +268,7 @@ def _contiguous_ops(ops: list[dist.P2POp]) -> list[dist.P2POp]:
     return ops
 
 
-class TracedStage(_PipelineStage):
+class TracedStage(GraphPipelineStage):
     """A traced stage that sends and receives contiguous tensors, and whose start-up handshake
     skips neighbours on its own rank.
 
@@ -306,9 +312,9 @@ class TracedStage(_PipelineStage):
         return _contiguous_ops(super().get_bwd_send_ops(bwd_chunk_id))
 
 
-def build_stage(pipe: Pipe, index: int, device: torch.device, group: dist.ProcessGroup) -> _PipelineStage:
+def build_stage(pipe: Pipe, index: int, device: torch.device, group: dist.ProcessGroup) -> GraphPipelineStage:
     """``Pipe.build_stage`` with :class:`TracedStage` (same steps: device fix-up, then the stage)."""
     stage_module = pipe.get_stage_module(index)
     if isinstance(stage_module, fx.GraphModule):
-        _modify_graph_op_device(stage_module, device)
+        modify_graph_op_device(stage_module, device)
     return TracedStage(stage_module, index, pipe.info(), device, group)

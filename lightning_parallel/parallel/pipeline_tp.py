@@ -40,14 +40,13 @@ from typing import Any
 
 import torch
 from torch import Tensor, fx, nn
-from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, distribute_tensor
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.optim import Optimizer
-from torch.utils._pytree import tree_map
 
+from lightning_parallel.compat import AsyncCollectiveTensor, assert_tensor_metadata_op, tree_map
 from lightning_parallel.parallel.errors import config_error
 from lightning_parallel.parallel.tensor_parallel import _grad_to_param_layout
 from lightning_parallel.parallel.tp_attention import ReplicateMixedMode, full_value
@@ -175,7 +174,7 @@ def drop_metadata_asserts(module: nn.Module) -> int:
         graph = getattr(sub, "graph", None)
         if not isinstance(graph, fx.Graph):
             continue
-        asserts = [n for n in graph.nodes if n.op == "call_function" and n.target is torch.ops.aten._assert_tensor_metadata.default and not n.users]
+        asserts = [n for n in graph.nodes if n.op == "call_function" and n.target is assert_tensor_metadata_op() and not n.users]
         for node in asserts:
             graph.erase_node(node)
         if asserts:

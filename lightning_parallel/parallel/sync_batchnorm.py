@@ -24,7 +24,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.nn.modules.batchnorm import _BatchNorm
+
+from lightning_parallel.compat import BatchNormBase
 
 
 def _channel_sum(x: Tensor) -> Tensor:
@@ -93,7 +94,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         return grad_x, grad_weight, grad_bias, None, None
 
 
-class DataParallelBatchNorm(_BatchNorm):
+class DataParallelBatchNorm(BatchNormBase):
     """``BatchNorm1d/2d/3d`` whose training statistics span a data-parallel process group.
 
     Same parameters, buffers and names as the module it replaces (checkpoints load either way).
@@ -137,7 +138,7 @@ def convert_sync_batchnorm(module: nn.Module, process_group: dist.ProcessGroup |
     converted: list[str] = []
 
     def convert(child: nn.Module, name: str) -> nn.Module:
-        if isinstance(child, _BatchNorm) and not isinstance(child, (DataParallelBatchNorm, nn.SyncBatchNorm)):
+        if isinstance(child, BatchNormBase) and not isinstance(child, (DataParallelBatchNorm, nn.SyncBatchNorm)):
             new = DataParallelBatchNorm(child.num_features, child.eps, child.momentum, child.affine,
                                         child.track_running_stats, process_group=process_group)
             if child.affine:
@@ -160,7 +161,7 @@ def convert_sync_batchnorm(module: nn.Module, process_group: dist.ProcessGroup |
 
 
 def uses_batchnorm(module: nn.Module) -> bool:
-    return any(isinstance(m, _BatchNorm) for m in module.modules())
+    return any(isinstance(m, BatchNormBase) for m in module.modules())
 
 
 __all__ = ["DataParallelBatchNorm", "convert_sync_batchnorm", "uses_batchnorm"]

@@ -39,8 +39,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten, tree_map
 
+from lightning_parallel.compat import tree_flatten, tree_map
 from lightning_parallel.parallel.errors import config_error
 from lightning_parallel.parallel.tp_fused import split_packed
 

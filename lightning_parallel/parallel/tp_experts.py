@@ -26,8 +26,8 @@ from typing import Any
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.placement_types import _StridedShard
 
+from lightning_parallel.compat import StridedShard
 from lightning_parallel.parallel.errors import config_error
 
 
@@ -58,7 +58,7 @@ def experts_reason(module: nn.Module) -> str | None:
 
 def expert_placements() -> dict[str, Placement]:
     """Parameter name -> placement on the tensor-parallel mesh (see the module doc)."""
-    return {"gate_up_proj": _StridedShard(1, split_factor=2), "down_proj": Shard(2)}
+    return {"gate_up_proj": StridedShard(1, split_factor=2), "down_proj": Shard(2)}
 
 
 def _sum_grad(x: Any, mesh: DeviceMesh) -> Any:

@@ -36,7 +36,8 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-from torch.distributed.tensor.placement_types import _StridedShard
+
+from lightning_parallel.compat import StridedShard
 
 _SPLITS: frozenset[Callable[..., Any]] = frozenset({Tensor.split, torch.split, Tensor.chunk, torch.chunk})
 
@@ -64,7 +65,7 @@ def features(module: nn.Module) -> tuple[int, int]:
 
 def shard_placement(dim: int, split_factor: int) -> Placement:
     """``Shard(dim)``, or ``_StridedShard`` when the dim packs ``split_factor`` equal parts."""
-    return Shard(dim) if split_factor <= 1 else _StridedShard(dim, split_factor=split_factor)
+    return Shard(dim) if split_factor <= 1 else StridedShard(dim, split_factor=split_factor)
 
 
 def packed_placement(dim: int, split_factor: int, ndim: int) -> Placement:
@@ -142,8 +143,8 @@ class Conv1DRowwiseParallel(RowwiseParallel):
         )
 
 
-def _strided(x: Any) -> _StridedShard | None:
-    if isinstance(x, DTensor) and x.device_mesh.ndim == 1 and isinstance(x.placements[0], _StridedShard):
+def _strided(x: Any) -> StridedShard | None:
+    if isinstance(x, DTensor) and x.device_mesh.ndim == 1 and isinstance(x.placements[0], StridedShard):
         return x.placements[0]
     return None
 
@@ -201,7 +202,7 @@ def split_packed(func: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[D
 
 
 def _contiguous_placements(x: DTensor) -> list[Placement]:
-    return [Shard(p.dim) if isinstance(p, _StridedShard) else p for p in x.placements]
+    return [Shard(p.dim) if isinstance(p, StridedShard) else p for p in x.placements]
 
 
 def checkpoint_layout(state: dict[str, Any]) -> dict[str, Any]:
@@ -217,7 +218,7 @@ def checkpoint_layout(state: dict[str, Any]) -> dict[str, Any]:
     for key, value in state.items():
         if isinstance(value, dict):
             out[key] = checkpoint_layout(value)
-        elif isinstance(value, DTensor) and any(isinstance(p, _StridedShard) for p in value.placements):
+        elif isinstance(value, DTensor) and any(isinstance(p, StridedShard) for p in value.placements):
             out[key] = value.redistribute(value.device_mesh, _contiguous_placements(value))
         else:
             out[key] = value

@@ -50,10 +50,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_map
+
+from lightning_parallel.compat import compute_local_shape_and_global_offset, tree_map
 
 _MARK = "_lightning_parallel_sharded_logits"
 _active_steps = 0  # steps running inside sharded_logits_step (the LM head hook reads it)

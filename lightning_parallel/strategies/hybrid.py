@@ -25,17 +25,9 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import (
-    _all_gather_ddp_if_available,
-    _distributed_is_initialized,
-    _sync_ddp_if_available,
-)
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
@@ -47,6 +39,17 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_parallel.compat import ddp_ignore
+from lightning_parallel.compat_lightning import (
+    MultiProcessingLauncher as _MultiProcessingLauncher,
+    SubprocessScriptLauncher as _SubprocessScriptLauncher,
+    all_gather_ddp_if_available as _all_gather_ddp_if_available,
+    distributed_is_initialized as _distributed_is_initialized,
+    optimizers_to_device as _optimizers_to_device,
+    set_device_mesh,
+    sync_ddp_if_available as _sync_ddp_if_available,
+    unwrap_optimizer,
+)
 from lightning_parallel.parallel.activation_checkpointing import apply_activation_checkpointing
 from lightning_parallel.parallel.blocks import find_repeated_blocks
 from lightning_parallel.parallel.clip import clip_grad_norm_
@@ -418,7 +421,7 @@ class HybridParallelStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         module = self.lightning_module
         assert module is not None
-        module._device_mesh = self.device_mesh  # LightningModule.device_mesh, as Lightning's own strategy sets
+        set_device_mesh(module, self.device_mesh)  # LightningModule.device_mesh, as Lightning's own strategy sets
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self.model = self._parallelize(module)
@@ -496,7 +499,7 @@ class HybridParallelStrategy(ParallelStrategy):
         if dims.dp > 1:
             if self._expert_params:  # averaged over edp by reduce_expert_grads, not by DDP over dp
                 names = [n for n, p in module.named_parameters() if any(p is q for q in self._expert_params)]
-                DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names)
+                ddp_ignore(module, names)
             return apply_ddp(
                 module,
                 dims.axis(DP),
@@ -577,7 +580,7 @@ class HybridParallelStrategy(ParallelStrategy):
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         model = model or self.lightning_module
         result = closure()
-        inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        inner = unwrap_optimizer(optimizer)
         params = [p for group in inner.param_groups for p in group["params"]]
         loss = result if isinstance(result, Tensor) else None
         step = self.lightning_module.trainer.global_step if self.lightning_module is not None else -1
@@ -790,8 +793,7 @@ class HybridParallelStrategy(ParallelStrategy):
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer._optimizer
+        optimizer = unwrap_optimizer(optimizer)
         assert self.lightning_module is not None
         if self._pipeline is not None:  # each parameter's state from the stage keeping it (see the function)
             return ckpt.pipeline_optimizer_state(self.lightning_module, optimizer, not self._save_distributed_checkpoint,

@@ -36,6 +36,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from lightning_parallel.compat import foreach_norm
 from lightning_parallel.errors import config_error
 
 NonFiniteMode = Literal["error", "skip", "off"]
@@ -89,7 +90,7 @@ class NonFiniteGuard:
         names = {id(p): n for n, p in module.named_parameters()}
         named = [(names.get(id(p), f"<parameter {i} of the optimizer>"), p) for i, p in enumerate(params)
                  if p.grad is not None and _local(p.grad).numel() > 0]
-        norms = list(torch._foreach_norm([_local(p.grad) for _, p in named])) if named else []
+        norms = foreach_norm([_local(p.grad) for _, p in named]) if named else []
         loss_bad = isinstance(loss, Tensor) and loss.numel() > 0 and not bool(torch.isfinite(loss.detach()).all())
         bad_index = _first_bad(named, norms)
         flag = torch.tensor([float(loss_bad or bad_index >= 0)], device=device)

@@ -43,6 +43,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from lightning_parallel.compat_lightning import attached_trainer, unwrap_optimizer
 from lightning_parallel.nn.moe import MoEStats, moe_stats_log, set_moe_loss_coefs, set_moe_stats_group
 from lightning_parallel.parallel.dims import DP, EP, PP, TP
 from lightning_parallel.parallel.errors import config_error
@@ -280,7 +281,7 @@ class PipelineDriver:
 
     def _optimizers(self) -> list[Any]:
         """The strategy's optimizers, unwrapped from Lightning's ``LightningOptimizer``."""
-        return [getattr(o, "_optimizer", o) for o in self.strategy.optimizers]
+        return [unwrap_optimizer(o) for o in self.strategy.optimizers]
 
     def _check_batch(self, hook: str, probe: tuple[tuple[Any, ...], dict[str, Any]], traced: int | None) -> None:
         size = batch_size_of(*probe)
@@ -366,7 +367,7 @@ class PipelineDriver:
                 ValueError, "training_step", "never calls forward", "the pipeline stages are the model's forward; a step that does not call it (or a child module such as self.model) has nothing to run", "call self(...) or self.model(...) in training_step"
             )
         runtime = self.runtime
-        accumulate = int(module.trainer.accumulate_grad_batches) if module._trainer is not None else 1
+        accumulate = int(module.trainer.accumulate_grad_batches) if attached_trainer(module) is not None else 1
         params = runtime.owned_parameters()
         previous = [p.grad for p in params]
         for p in params:

@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torch import Tensor, nn
-from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
+from lightning_parallel.compat import TreeSpec, tree_flatten, tree_unflatten
 from lightning_parallel.parallel.errors import config_error
 
 LOSS_KWARGS = ("labels", "num_items_in_batch", "shift_labels")  # consumed by HF's loss_function, not the trace

@@ -39,9 +39,9 @@ from typing import Any
 import torch
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
-from torch.utils._pytree import tree_map
 from torchmetrics import Metric
 
+from lightning_parallel.compat import tree_map
 from lightning_parallel.parallel.errors import config_error
 
 _LOG_SIGNATURE = inspect.signature(LightningModule.log)

@@ -21,12 +21,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import ClusterEnvironment
-from lightning.fabric.utilities.distributed import (
-    _destroy_dist_connection,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-)
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lightning_parallel.compat_lightning import (
+    default_process_group_backend_for_device as _get_default_process_group_backend_for_device,
+    destroy_dist_connection as _destroy_dist_connection,
+    init_dist_connection as _init_dist_connection,
+)
 
 
 def restart_attempt() -> int | None:

@@ -19,6 +19,8 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from lightning_parallel.compat_lightning import attached_trainer
+
 
 @dataclass
 class FitSpec:
@@ -118,7 +120,7 @@ def full_parameters(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter as a full tensor under its original name (a collective for DTensors, and
     over the pipeline group under pipeline parallelism: a stage frees the parameters other stages
     own, so those are fetched from their owners instead of read from the freed copies)."""
-    trainer = getattr(module, "_trainer", None)
+    trainer = attached_trainer(module)
     driver = getattr(trainer.strategy, "_pipeline", None) if trainer is not None else None
     if driver is not None:
         return {n: t.detach().cpu().clone() for n, t in driver.gather_state(parameters_only=True).items()}

@@ -1,0 +1,279 @@
+"""Every private torch API lightning_parallel uses, in one place, each with the public API to move to.
+
+Why one module: private names (underscore modules, classes, methods and attributes) change
+without deprecation between torch releases. Kept here, a torch upgrade breaks one file, at
+import, with the name of what moved, instead of a pipeline step on rank 3; and each entry says
+what to switch to once torch publishes it. ``tests/test_compat.py`` fails when another module
+of the package imports a private torch name directly, and checks that every entry of
+:data:`PRIVATE_APIS` still resolves in the installed torch.
+
+"Since" is the oldest torch release whose Python sources define the name, read from the
+released wheels of 2.4 to 2.12 (2.4 means "2.4 or older"; 2.13 is the one installed and
+tested). The package as a whole needs torch >= 2.12 (:data:`TORCH_LOWER_BOUND`; see
+``pyproject.toml``). Lightning's private names live in :mod:`lightning_parallel.compat_lightning`
+so that the torch layer (``parallel/``) keeps importing nothing from Lightning.
+
+Not routed through here, by judgement: ``nn.Module``'s ``_parameters``/``_buffers``/``_modules``/
+``_apply`` (the documented way to replace a tensor in place while keeping its name; torch's own
+``nn.utils`` do the same); methods a subclass overrides of the class it derives from here
+(:class:`GraphPipelineStage` below names them); and other libraries' private attributes read by
+duck typing (``transformers``: ``_tp_plan``, ``_pp_plan``, ``_gradient_checkpointing_func``,
+``_is_hf_initialized``, ``_initialize_weights``; ``torchmetrics``: ``Metric._defaults``,
+``_forward_cache``, ``_update_count``, ``_computed``; ``torchvision``: ``extension._has_ops``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+
+# --- pytree: flatten/unflatten nested containers of tensors --------------------------------
+# Why: stage inputs/outputs, logged values and traced arguments are arbitrary nests.
+# Since: 2.4 (far older). Public: none in torch (torch.utils._pytree is what torch's own
+# distributed code uses; the standalone `optree` package is the public equivalent).
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_leaves, tree_map, tree_unflatten
+
+# --- composable activation checkpointing (a hook, not a wrapper class) ---------------------
+# Why: keeps parameter names (FQNs) unchanged, so checkpoints load under any layout; the
+# wrapper-class alternative (checkpoint_wrapper) inserts `_checkpoint_wrapped_module.` into
+# every name. Since: 2.4. Public: none yet (torch.utils.checkpoint.checkpoint is the functional
+# form, which needs the model's forward to call it).
+from torch.distributed._composable import checkpoint as checkpoint_module
+
+# --- meta-device construction ---------------------------------------------------------------
+# Why: MetaInitContext subclasses the mode behind `with torch.device("meta")` to leave
+# torchmetrics states on the real device (a metric's state must not be meta). Since: 2.4.
+# Public: `with torch.device(...)` / torch.set_default_device, which cannot make that exception.
+from torch.utils._device import DeviceContext
+from torch.utils._device import _device_constructors as device_constructors
+
+# --- fake tensors ---------------------------------------------------------------------------
+# Why: an opaque MoE op must recognise shape-propagation inputs (fake or meta) and skip its
+# collectives. Since: 2.4. Public: none yet.
+from torch._subclasses.fake_tensor import FakeTensor
+
+# --- functional collectives -----------------------------------------------------------------
+# Why: DTensor redistributions return AsyncCollectiveTensor, which waits on first use; a value
+# crossing a pipeline stage must be waited for before the send; the tests' collective recorder
+# wraps the module's functions (DTensor's redistributions call them). Since: 2.4. Public: none yet.
+from torch.distributed import _functional_collectives as functional_collectives
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+# --- DTensor internals ----------------------------------------------------------------------
+# Why: packed weights ([q|k|v], [gate|up]) are sharded so each rank holds its slice of every
+# part; plain Shard would give rank 0 all of q. Since: 2.5 (torch.distributed.tensor). Public:
+# none yet (torch.distributed.tensor exports it only under its private name).
+from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
+
+# Why: which slice of a global tensor a rank holds, to read only those bytes of a pretrained
+# file and to index a sharded vocabulary. Since: 2.5. Public: none yet (DCP reaches the same
+# through DTensor.__create_chunk_list__, which is private too).
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+# --- torch.distributed.pipelining internals ---------------------------------------------------
+# Why: the traced frontend's stage class (what Pipe.build_stage returns); TracedStage subclasses
+# it and overrides _get_init_p2p_neighbors_ops (2.9), _create_act_recv_info and
+# _create_act_send_info (2.4), and writes _stage_meta.outputs (2.12: the lower bound of the
+# package). Since: 2.4. Public: build_stage() returns one, but cannot be subclassed; none yet.
+from torch.distributed.pipelining.stage import _PipelineStage as GraphPipelineStage
+
+# Why: Pipe.build_stage moves the traced graph's device constants to the stage's device; we
+# build TracedStage ourselves, so we repeat that step. Since: 2.4. Public: none (Pipe.build_stage).
+from torch.distributed.pipelining._IR import _modify_graph_op_device as modify_graph_op_device
+
+# Why: a forward-only schedule for evaluation of interleaved/V layouts is a runtime with a
+# hand-written action list. Since: 2.5 (runtime), 2.4 (actions). Public: none yet
+# (PipelineScheduleMulti takes no action list).
+from torch.distributed.pipelining.schedules import _Action as PipelineAction
+from torch.distributed.pipelining.schedules import _ComputationType as PipelineComputationType
+from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime as PipelineScheduleRuntime
+
+# --- nn internals ---------------------------------------------------------------------------
+# Why: one base class for BatchNorm1d/2d/3d (and their lazy forms) to find and replace them for
+# data-parallel statistics. Since: 2.4 (far older). Public: none; the tuple of public classes
+# (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d) misses user subclasses of the base.
+from torch.nn.modules.batchnorm import _BatchNorm as BatchNormBase
+
+#: The oldest torch release with every API the package uses (see pyproject.toml): 2.12 adds
+#: ``_PipelineStage._stage_meta``, which :class:`GraphPipelineStage`'s subclass rewrites.
+TORCH_LOWER_BOUND = (2, 12)
+
+
+def assert_tensor_metadata_op() -> Any:
+    """``aten._assert_tensor_metadata.default``: the check ``torch.export`` records for ``.to(dtype)``.
+
+    Why: pipeline stages under tensor parallelism run on DTensors whose metadata the check
+    rejects; the unused assertions are removed from the traced graph. Since: 2.4 (op in
+    native_functions). Public: none (an aten-internal op).
+    """
+    return torch.ops.aten._assert_tensor_metadata.default
+
+
+def foreach_norm(tensors: Sequence[Tensor]) -> list[Tensor]:
+    """``torch._foreach_norm``: the 2-norm of each tensor in one fused pass.
+
+    Why: the non-finite guard checks every gradient every step. Since: 2.4 (far older).
+    Public: ``torch.linalg.vector_norm`` per tensor (slower: one kernel each), or
+    ``torch.nn.utils.get_total_norm(foreach=True)`` (2.6) when only the total is needed.
+    """
+    return list(torch._foreach_norm(list(tensors)))
+
+
+def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
+    """``DeviceMesh._flatten``: merge a sub-mesh's axes into one named axis (``dp`` from replicate x shard).
+
+    Why: one process group over several axes, reachable by name. Since: 2.5. Public: none yet
+    (torchtitan calls the same private method).
+    """
+    return mesh._flatten(name)
+
+
+def unflatten_mesh(mesh: DeviceMesh, dim: int, sizes: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+    """``DeviceMesh._unflatten``: split one axis into several named ones (``dp`` -> ``edp`` x ``ep``).
+
+    Why: expert parallelism reuses the data-parallel ranks, regrouped. Since: 2.10. Public: none
+    yet (init_device_mesh builds only the root mesh).
+    """
+    return mesh._unflatten(dim, sizes, names)
+
+
+def ddp_ignore(module: nn.Module, names: Sequence[str]) -> None:
+    """``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model``.
+
+    Why: DTensor parameters (tensor-parallel) and expert parameters are reduced by their own
+    groups; DDP must neither broadcast nor all-reduce them. Since: 2.4 (far older). Public:
+    none (FSDP2's ``ignored_params`` is the FSDP counterpart; DDP has no public argument).
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, list(names))
+
+
+def run_generated_code(module: nn.Module) -> None:
+    """Set ``InterpreterModule._run_with_interpreter = False`` on every submodule that has it.
+
+    Why: ``torch.export.unflatten`` modules interpret their graph node by node by default, which
+    made a traced stage's forward twice as slow as the generated Python code. Since: 2.4.
+    Public: none (the module-wide default ``torch.export.unflatten.RUN_WITH_INTERPRETER`` is
+    private too).
+    """
+    for sub in module.modules():
+        if hasattr(sub, "_run_with_interpreter"):
+            sub._run_with_interpreter = False
+
+
+def schedule_stages(schedule: Any) -> list[Any]:
+    """The stages a pipeline schedule runs on this rank (``_stages``, or ``_stage`` for single-stage).
+
+    Why: the driver needs each stage's module after building the schedule. Since: 2.4.
+    Public: none yet (keep the stages you passed in, as the driver could).
+    """
+    return list(schedule._stages) if hasattr(schedule, "_stages") else [schedule._stage]
+
+
+def local_tensor(tensor: Any) -> Tensor | None:
+    """``DTensor._local_tensor``: this rank's shard without an autograd edge, or None for a plain tensor.
+
+    Why: memory accounting reads sizes without creating graph nodes. Since: 2.5
+    (torch.distributed.tensor). Public: ``DTensor.to_local()`` (the same tensor under no_grad).
+    """
+    return getattr(tensor, "_local_tensor", None)
+
+
+def parse_to_device(*args: Any, **kwargs: Any) -> torch.device | None:
+    """The device a ``Tensor.to(*args, **kwargs)`` call moves to (``torch._C._nn._parse_to``), or None.
+
+    Why: the collective recorder of the tests follows where a CUDA run would hold each tensor.
+    Since: 2.4 (far older). Public: none (``Tensor.to`` parses its arguments in C++).
+    """
+    return torch._C._nn._parse_to(*args, **kwargs)[0]
+
+
+def resolve_process_group(name: str) -> Any:
+    """The process group registered under ``name`` (``distributed_c10d._resolve_process_group``).
+
+    Why: functional collectives name their group by a string; the recorder maps it to ranks.
+    Since: 2.4. Public: none yet.
+    """
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._resolve_process_group(name)
+
+
+@dataclass(frozen=True)
+class PrivateApi:
+    """One private torch name the package uses: where it lives and what to move to."""
+
+    name: str  # how this module exports it
+    target: str  # "module:attr.attr" in torch
+    since: str  # oldest torch release that defines it (checked in the 2.4-2.12 wheels)
+    public: str  # the public API to move to, or "none yet"
+
+
+PRIVATE_APIS: tuple[PrivateApi, ...] = (
+    PrivateApi("tree_map", "torch.utils._pytree:tree_map", "2.4", "none yet (optree)"),
+    PrivateApi("tree_leaves", "torch.utils._pytree:tree_leaves", "2.4", "none yet (optree)"),
+    PrivateApi("tree_flatten", "torch.utils._pytree:tree_flatten", "2.4", "none yet (optree)"),
+    PrivateApi("tree_unflatten", "torch.utils._pytree:tree_unflatten", "2.4", "none yet (optree)"),
+    PrivateApi("TreeSpec", "torch.utils._pytree:TreeSpec", "2.4", "none yet (optree)"),
+    PrivateApi("checkpoint_module", "torch.distributed._composable:checkpoint", "2.4", "none yet"),
+    PrivateApi("DeviceContext", "torch.utils._device:DeviceContext", "2.4", "with torch.device(...)"),
+    PrivateApi("device_constructors", "torch.utils._device:_device_constructors", "2.4", "none"),
+    PrivateApi("FakeTensor", "torch._subclasses.fake_tensor:FakeTensor", "2.4", "none yet"),
+    PrivateApi("AsyncCollectiveTensor", "torch.distributed._functional_collectives:AsyncCollectiveTensor", "2.4",
+               "none yet"),
+    PrivateApi("StridedShard", "torch.distributed.tensor.placement_types:_StridedShard", "2.5", "none yet"),
+    PrivateApi("compute_local_shape_and_global_offset",
+               "torch.distributed.tensor._utils:compute_local_shape_and_global_offset", "2.5", "none yet"),
+    PrivateApi("GraphPipelineStage", "torch.distributed.pipelining.stage:_PipelineStage", "2.4",
+               "build_stage() (not subclassable)"),
+    PrivateApi("GraphPipelineStage._get_init_p2p_neighbors_ops",
+               "torch.distributed.pipelining.stage:_PipelineStage._get_init_p2p_neighbors_ops", "2.9", "none"),
+    PrivateApi("GraphPipelineStage._create_act_recv_info",
+               "torch.distributed.pipelining.stage:_PipelineStage._create_act_recv_info", "2.4", "none"),
+    PrivateApi("GraphPipelineStage._create_act_send_info",
+               "torch.distributed.pipelining.stage:_PipelineStage._create_act_send_info", "2.4", "none"),
+    PrivateApi("modify_graph_op_device", "torch.distributed.pipelining._IR:_modify_graph_op_device", "2.4",
+               "Pipe.build_stage"),
+    PrivateApi("PipelineAction", "torch.distributed.pipelining.schedules:_Action", "2.4", "none yet"),
+    PrivateApi("PipelineComputationType", "torch.distributed.pipelining.schedules:_ComputationType", "2.4",
+               "none yet"),
+    PrivateApi("PipelineScheduleRuntime", "torch.distributed.pipelining.schedules:_PipelineScheduleRuntime", "2.5",
+               "none yet"),
+    PrivateApi("BatchNormBase", "torch.nn.modules.batchnorm:_BatchNorm", "2.4",
+               "nn.BatchNorm1d/2d/3d (misses subclasses of the base)"),
+    PrivateApi("assert_tensor_metadata_op", "torch:ops.aten._assert_tensor_metadata.default", "2.4", "none"),
+    PrivateApi("foreach_norm", "torch:_foreach_norm", "2.4", "torch.linalg.vector_norm / nn.utils.get_total_norm"),
+    PrivateApi("flatten_mesh", "torch.distributed.device_mesh:DeviceMesh._flatten", "2.5", "none yet"),
+    PrivateApi("unflatten_mesh", "torch.distributed.device_mesh:DeviceMesh._unflatten", "2.10", "none yet"),
+    PrivateApi("ddp_ignore",
+               "torch.nn.parallel:DistributedDataParallel._set_params_and_buffers_to_ignore_for_model", "2.4",
+               "none"),
+    PrivateApi("run_generated_code", "torch.export.unflatten:InterpreterModule", "2.4", "none"),
+    PrivateApi("schedule_stages", "torch.distributed.pipelining.schedules:PipelineScheduleSingle", "2.4", "none yet"),
+    PrivateApi("local_tensor", "torch.distributed.tensor:DTensor._local_tensor", "2.5", "DTensor.to_local()"),
+    PrivateApi("functional_collectives", "torch.distributed._functional_collectives:all_reduce", "2.4", "none yet"),
+    PrivateApi("parse_to_device", "torch:_C._nn._parse_to", "2.4", "none"),
+    PrivateApi("resolve_process_group", "torch.distributed.distributed_c10d:_resolve_process_group", "2.4", "none yet"),
+)
+
+#: Private attribute names reached only through the wrappers above (the test rejects
+#: ``x.<name>`` and ``getattr(x, "<name>")`` for these anywhere else in the package).
+PRIVATE_ATTRIBUTES = frozenset({"_flatten", "_unflatten", "_set_params_and_buffers_to_ignore_for_model",
+                                "_run_with_interpreter", "_foreach_norm", "_local_tensor",
+                                "_assert_tensor_metadata", "_stages", "_stage", "_parse_to",
+                                "_resolve_process_group"})
+
+__all__ = [
+    "PRIVATE_APIS", "PRIVATE_ATTRIBUTES", "TORCH_LOWER_BOUND", "AsyncCollectiveTensor", "BatchNormBase",
+    "DeviceContext", "FakeTensor", "GraphPipelineStage", "PipelineAction", "PipelineComputationType",
+    "PipelineScheduleRuntime", "PrivateApi", "StridedShard", "TreeSpec", "assert_tensor_metadata_op",
+    "checkpoint_module", "compute_local_shape_and_global_offset", "ddp_ignore", "device_constructors",
+    "flatten_mesh", "foreach_norm", "functional_collectives", "local_tensor", "modify_graph_op_device",
+    "parse_to_device", "resolve_process_group", "run_generated_code", "schedule_stages", "tree_flatten", "tree_leaves", "tree_map", "tree_unflatten", "unflatten_mesh",
+]

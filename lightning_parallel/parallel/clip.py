@@ -27,12 +27,30 @@ def _shard_groups(grad: DTensor) -> tuple[dist.ProcessGroup, ...]:
     return tuple(mesh.get_group(dim) for dim, placement in enumerate(grad.placements) if not placement.is_replicate())
 
 
-def total_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0, extra_groups: Iterable[_Group] = ()) -> torch.Tensor:
-    """The norm of all gradients of ``parameters`` taken as one vector across every rank."""
+def total_norm(
+    parameters: Iterable[torch.Tensor],
+    norm_type: float = 2.0,
+    extra_groups: Iterable[_Group] = (),
+    device: torch.device | None = None,
+) -> torch.Tensor:
+    """The norm of all gradients of ``parameters`` taken as one vector across every rank.
+
+    A rank may hold no gradient (a pipeline stage of frozen layers) and still joins the
+    reductions over ``extra_groups``: its zero is made where its peers' norms are, on the
+    gradients' or else the parameters' device, or ``device`` when it holds no parameter at all
+    (a CPU zero would reach NCCL; under ``cpu_offload`` the parameters are on the CPU and the
+    group has a gloo backend for them)."""
+    parameters = list(parameters)
     grads = [p.grad for p in parameters if p.grad is not None]
     inf = norm_type == float("inf")
     buckets: dict[tuple[dist.ProcessGroup, ...], torch.Tensor] = {}
-    device = grads[0].device if grads else torch.device("cpu")
+    extra_groups = list(extra_groups)
+    device = grads[0].device if grads else parameters[0].device if parameters else device
+    if device is None:
+        if extra_groups:
+            raise ValueError("total_norm: this rank holds no parameter but reduces over extra_groups; pass device="
+                             " (the device those process groups serve: the strategy's root device)")
+        device = torch.device("cpu")  # nothing to reduce: a plain zero
     for grad in grads:
         groups: tuple[dist.ProcessGroup, ...] = ()
         local = grad
@@ -63,13 +81,17 @@ def clip_grad_norm_(
     max_norm: float,
     norm_type: float = 2.0,
     extra_groups: Iterable[_Group] = (),
+    device: torch.device | None = None,
 ) -> torch.Tensor:
-    """Scale gradients in place so that their global norm is at most ``max_norm``; return the norm."""
-    params = [p for p in parameters if p.grad is not None]
-    norm = total_norm(params, norm_type, extra_groups)
+    """Scale gradients in place so that their global norm is at most ``max_norm``; return the norm
+    (``device``: see :func:`total_norm`)."""
+    params = list(parameters)
+    norm = total_norm(params, norm_type, extra_groups, device)
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for p in params:
         grad = p.grad
+        if grad is None:
+            continue
         if isinstance(grad, DTensor):
             grad.to_local().mul_(coef.to(grad.device))
         else:

@@ -422,7 +422,9 @@ class PipelineRuntime:
         # Sorted: the norm reduces per group of gradients, in the same order on every rank (a set's
         # order follows per-process string hashing, and two groups over the same ranks would mix).
         counted = [params[n] for n in sorted(self._owned) if min(self._holders[n]) == self.pp_rank]
-        norm = total_norm(counted, norm_type, extra_groups=(self.group,))
+        # A rank may count no parameter (all held lower, or frozen): its zero goes where the others' norms are.
+        device = next((p.device for p in params.values()), self.stages[0].device)
+        norm = total_norm(counted, norm_type, extra_groups=(self.group,), device=device)
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for name in self._owned:
             if params[name].grad is not None:

@@ -602,7 +602,7 @@ class HybridParallelStrategy(ParallelStrategy):
                 self._pipeline.clip_grad_norm_(float(clip_val))
                 return
             params = [p for group in optimizer.param_groups for p in group["params"]]
-            clip_grad_norm_(params, float(clip_val))
+            clip_grad_norm_(params, float(clip_val), device=self.root_device)
 
         plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
 

@@ -4,6 +4,15 @@ The result holds only the model's tensors under their original names, so the unw
 LightningModule (or any copy of the model class) loads it with ``load_state_dict(strict=True)``
 without lightning_parallel installed. Sharded DCP directories are read without a process group.
 
+Export streams tensor by tensor, so a model larger than this machine's memory exports too:
+
+* ``.safetensors``: the header (names, dtypes, shapes, offsets) comes from the checkpoint's
+  metadata; then each tensor is read (from the DCP shards, or from the memory-mapped file) and
+  its bytes written, before the next is read. At most one tensor is in memory.
+* ``.pt``: ``torch.save`` writes a dict whose tensors must all exist at once, so each tensor is
+  read into a memory-mapped scratch file beside the output (file-backed pages the kernel can
+  write back and drop) rather than into anonymous memory; a consolidated source is mapped as is.
+
     python -m lightning_parallel.export CHECKPOINT OUT.pt
     python -m lightning_parallel.export CHECKPOINT OUT.safetensors
 """
@@ -11,7 +20,13 @@ without lightning_parallel installed. Sharded DCP directories are read without a
 from __future__ import annotations
 
 import argparse
+import json
+import math
+import struct
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -23,21 +38,40 @@ _PREFIX = "state_dict."
 
 
 def load_model_state(checkpoint: str | Path) -> dict[str, torch.Tensor]:
-    """The full model state dict of a sharded directory or a consolidated file (no process group)."""
-    path = Path(checkpoint)
+    """The full model state dict of a sharded directory or a consolidated file (no process group).
+
+    Every tensor at once (a consolidated file's memory-mapped); to write a file, use
+    :func:`export_state_dict`, which holds one tensor at a time."""
+    layout, read = _source(Path(checkpoint))
+    return {name: read(name, None) for name in layout}
+
+
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
+    torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}
+Layout = dict[str, tuple[torch.Size, torch.dtype]]
+
+
+def _source(path: Path) -> tuple[Layout, Callable[[str, torch.Tensor | None], torch.Tensor]]:
+    """The model tensors' layout and a reader of one tensor (into ``out`` when given), no process group."""
     if is_sharded_checkpoint(path):
         metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-        template = {
-            key[len(_PREFIX):]: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
-            for key, meta in metadata.items()
-            if key.startswith(_PREFIX) and hasattr(meta, "size")
-        }
-        state = {"state_dict": template}
-        dcp.load(state, checkpoint_id=str(path))
-        return state["state_dict"]
+        layout = {key[len(_PREFIX):]: (torch.Size(meta.size), meta.properties.dtype)
+                  for key, meta in metadata.items() if key.startswith(_PREFIX) and hasattr(meta, "size")}
+
+        def read_shard(name: str, out: torch.Tensor | None) -> torch.Tensor:
+            shape, dtype = layout[name]
+            box = {_PREFIX + name: out if out is not None else torch.empty(shape, dtype=dtype)}
+            dcp.load(box, checkpoint_id=str(path))  # reads this one tensor's chunks only
+            return box[_PREFIX + name]
+
+        return layout, read_shard
     if path.is_file():
-        loaded = torch.load(path, map_location="cpu", weights_only=False)
-        return {k: v for k, v in loaded["state_dict"].items() if isinstance(v, torch.Tensor)}
+        state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)["state_dict"]
+        tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+        return {k: (v.shape, v.dtype) for k, v in tensors.items()}, lambda name, out: tensors[name].detach()
     raise config_error(
         FileNotFoundError, "checkpoint", str(path),
         f"it must be a checkpoint file or a sharded checkpoint directory (with {META_FILENAME})",
@@ -45,23 +79,56 @@ def load_model_state(checkpoint: str | Path) -> dict[str, torch.Tensor]:
     )
 
 
-def export_state_dict(checkpoint: str | Path, out: str | Path) -> dict[str, torch.Tensor]:
-    """Write the model state as ``.pt`` (torch.save of plain tensors) or ``.safetensors``."""
-    out = Path(out)
-    state = {k: v.detach().contiguous() for k, v in load_model_state(checkpoint).items()}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    if out.suffix == ".safetensors":
-        try:
-            from safetensors.torch import save_file
-        except ImportError as err:
-            raise ImportError("Exporting to .safetensors needs the safetensors package: pip install safetensors") from err
-        save_file(state, str(out))
-    elif out.suffix in (".pt", ".pth", ".bin"):
+def _write_safetensors(out: Path, layout: Layout, read: Callable[[str, torch.Tensor | None], torch.Tensor]) -> None:
+    """The safetensors format written by hand: 8-byte header length, JSON header, raw little-endian bytes."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, (shape, dtype) in layout.items():
+        if dtype not in _SAFETENSORS_DTYPES:
+            raise config_error(TypeError, f"tensor `{name}`", str(dtype), "safetensors has no such dtype", "export to .pt")
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
+    with open(out, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for name in layout:
+            tensor = read(name, None).contiguous()
+            f.write(tensor.reshape(-1).view(torch.uint8).numpy().data)
+            del tensor
+
+
+def _write_torch(out: Path, layout: Layout, read: Callable[[str, torch.Tensor | None], torch.Tensor], sharded: bool) -> None:
+    if not sharded:  # memory-mapped already
+        torch.save({name: read(name, None) for name in layout}, out)
+        return
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=".export-") as scratch:
+        state = {}
+        for i, (name, (shape, dtype)) in enumerate(layout.items()):
+            numel = math.prod(shape)
+            buffer = (torch.from_file(str(Path(scratch) / f"{i}.bin"), shared=True, size=numel, dtype=dtype).view(shape)
+                      if numel else torch.empty(shape, dtype=dtype))
+            state[name] = read(name, buffer)
         torch.save(state, out)
-    else:
+
+
+def export_state_dict(checkpoint: str | Path, out: str | Path) -> Layout:
+    """Write the model state as ``.pt`` (torch.save of plain tensors) or ``.safetensors``, tensor by
+    tensor (see the module docstring); return every exported tensor's shape and dtype."""
+    out = Path(out)
+    if out.suffix not in (".safetensors", ".pt", ".pth", ".bin"):
         raise config_error(ValueError, "out", str(out), "the file name must end in .pt, .pth, .bin or .safetensors",
                            "e.g. model.safetensors")
-    return state
+    path = Path(checkpoint)
+    layout, read = _source(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if out.suffix == ".safetensors":
+        _write_safetensors(out, layout, read)
+    else:
+        _write_torch(out, layout, read, is_sharded_checkpoint(path))
+    return layout
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -69,9 +136,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("checkpoint", help="a checkpoint file or sharded checkpoint directory")
     parser.add_argument("out", help="output file: .pt / .pth / .bin or .safetensors")
     args = parser.parse_args(argv)
-    state = export_state_dict(args.checkpoint, args.out)
-    numel = sum(v.numel() for v in state.values())
-    print(f"wrote {len(state)} tensors ({numel:,} values) to {args.out}")
+    layout = export_state_dict(args.checkpoint, args.out)
+    numel = sum(math.prod(shape) for shape, _ in layout.values())
+    print(f"wrote {len(layout)} tensors ({numel:,} values) to {args.out}")
 
 
 if __name__ == "__main__":

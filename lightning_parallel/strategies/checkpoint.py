@@ -14,9 +14,10 @@ mid-write) leaves the previous checkpoint intact, and a directory without ``meta
 taken for a checkpoint. Loading compares every shape first and names the parameter and both
 shapes on a mismatch: never a silent partial load.
 
-Under pipeline parallelism each rank saves the optimizer state of the parameters its stages keep,
-and nothing else (:func:`pipeline_optimizer_state`); the model state is gathered from the owners
-by the pipeline driver.
+Under pipeline parallelism each rank saves and loads only what its stages keep, model and
+optimizer state alike (:mod:`.pipeline_checkpoint`). A consolidated file is read by rank 0 alone
+(memory-mapped) and broadcast tensor by tensor (DCP's ``broadcast_from_rank0``): no rank loads
+the whole file, and no rank but 0 ever holds the whole model at once.
 
 ZeRO-1's ``ZeroRedundancyOptimizer`` is not understood by DCP's optimizer API; its state is
 consolidated on rank 0 and stored, keyed by FQN like every other optimizer state, in the
@@ -97,37 +98,6 @@ def optimizer_state(module: nn.Module, optimizer: Optimizer, full: bool) -> dict
         groups = [{**g, "params": [order[i] for i in g["params"]]} for g in indexed["param_groups"]]
         return {"state": {order[i]: s for i, s in indexed["state"].items()}, "param_groups": groups}
     return get_optimizer_state_dict(module, optimizer, options=StateDictOptions(full_state_dict=full, cpu_offload=full))
-
-
-def pipeline_optimizer_state(
-    module: nn.Module, optimizer: Optimizer, full: bool, keepers: dict[str, int], group: dist.ProcessGroup
-) -> dict[str, Any]:
-    """FQN-keyed optimizer state under pipeline parallelism: each parameter's state from one stage only.
-
-    Why not :func:`optimizer_state`: a pipeline rank holds live state only for the parameters its
-    stages own, and may hold *stale* state for the others (a checkpoint restored before the
-    stages were traced loads every parameter's momentum on every rank; the released parameters
-    never step again). Saved as is, DCP would keep one of the duplicate copies of a key, maybe
-    the stale one, or refuse a key that is a DTensor on its owner and a plain tensor elsewhere;
-    a consolidated file would hold only rank 0's stage. So only the keeping rank's entries are
-    kept (``keepers``: FQN -> rank in the pipeline ``group`` that keeps the parameter, the rule
-    :meth:`PipelineDriver.gather_state` uses for the model; FQNs absent from it, as before the
-    stages are traced, belong to pipeline rank 0). With ``full`` the kept entries, consolidated
-    over the tensor/data-parallel shards, are gathered over ``group`` so that every rank returns
-    the complete state (Lightning writes rank 0's).
-    """
-    state = get_optimizer_state_dict(module, optimizer, options=StateDictOptions(full_state_dict=full, cpu_offload=False))
-    me = dist.get_rank(group)
-    kept = {name: value for name, value in state["state"].items() if keepers.get(name, 0) == me}
-    if not full:
-        return {"state": kept, "param_groups": state["param_groups"]}
-    kept = {name: {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in value.items()}
-            for name, value in kept.items()}
-    parts: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(parts, kept, group=group)
-    merged = {name: value for part in parts for name, value in part.items()}
-    order = [name for group_ in state["param_groups"] for name in group_["params"]]
-    return {"state": {name: merged[name] for name in order if name in merged}, "param_groups": state["param_groups"]}
 
 
 def _load_zero1_state(module: nn.Module, optimizer: ZeroRedundancyOptimizer, state: dict[str, Any]) -> None:
@@ -251,34 +221,65 @@ def load_into(
             else:
                 set_optimizer_state_dict(module, opt, state[f"optimizer_{idx}"])
         return meta
-    checkpoint: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=False)
-    expected = {k: tuple(v.shape) for k, v in model_state(module, full=False).items()}
-    check_shapes(expected, {k: tuple(v.shape) for k, v in checkpoint["state_dict"].items()}, path)
-    options = StateDictOptions(full_state_dict=True, strict=strict)
-    set_model_state_dict(module, checkpoint["state_dict"], options=options)
-    for opt, opt_state in zip(optimizers, checkpoint.get("optimizer_states", [])):
-        _load_full_optimizer_state(module, opt, opt_state)
-    return checkpoint
+    return _load_consolidated(module, optimizers, path, strict)
 
 
-def read_full_model_state(path: Path, template: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The checkpoint's model tensors as full plain tensors shaped like ``template`` (same keys).
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
-    For a layout whose own tensors cannot take a load in place (a traced pipeline: released
-    copies, stage-local DTensors), the full values are read first and placed by the caller.
-    Shapes are checked against ``template`` first (parameter name and both shapes on a mismatch).
-    """
+
+def _header(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """What every rank needs of a consolidated checkpoint besides its tensors (small: no tensors)."""
+    return {
+        "rest": {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")},
+        "shapes": {k: tuple(v.shape) for k, v in checkpoint["state_dict"].items() if isinstance(v, torch.Tensor)},
+        "optimizers": [{"stateless": not s.get("state"), "param_groups": s.get("param_groups", [])}
+                       for s in checkpoint.get("optimizer_states", [])],
+    }
+
+
+def _read_consolidated(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the checkpoint, memory-mapped, on rank 0 and ``{}`` elsewhere; its header on every rank)."""
+    checkpoint: dict[str, Any] = {}
+    box: list[Any] = [None]
+    if not _distributed() or dist.get_rank() == 0:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        box = [_header(checkpoint)]
+    if _distributed():
+        dist.broadcast_object_list(box, src=0)
+    return checkpoint, box[0]
+
+
+def read_rest(path: Path) -> dict[str, Any]:
+    """A checkpoint without its model and DCP-written optimizer tensors (loops, callbacks, schedulers)."""
     if is_sharded_checkpoint(path):
-        check_shapes({k: tuple(v.shape) for k, v in template.items()}, _sharded_model_shapes(path), path)
-        state = {"state_dict": {k: v.clone() for k, v in template.items()}}
-        dcp.load(state, checkpoint_id=str(path))
-        return state["state_dict"]
-    saved = torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
-    check_shapes({k: tuple(v.shape) for k, v in template.items()}, {k: tuple(v.shape) for k, v in saved.items()}, path)
-    missing = sorted(set(template) - set(saved))
-    if missing:
-        raise ValueError(f"Checkpoint {path} lacks {missing[:5]}. HINT: load a checkpoint of this model.")
-    return {k: saved[k].to(template[k].dtype) for k in template}
+        return torch.load(path / META_FILENAME, map_location="cpu", weights_only=False)
+    return _read_consolidated(path)[1]["rest"]
+
+
+def _load_consolidated(module: nn.Module, optimizers: list[Optimizer], path: Path, strict: bool) -> dict[str, Any]:
+    """A consolidated file into any eager layout: rank 0 reads it (memory-mapped) and broadcasts it
+    tensor by tensor; each rank keeps its shard (``broadcast_from_rank0``)."""
+    checkpoint, header = _read_consolidated(path)
+    expected = {k: tuple(v.shape) for k, v in model_state(module, full=False).items()}
+    check_shapes(expected, header["shapes"], path)
+    options = StateDictOptions(full_state_dict=True, strict=strict, broadcast_from_rank0=_distributed())
+    set_model_state_dict(module, checkpoint.get("state_dict", {}), options=options)
+    saved = checkpoint.get("optimizer_states", [])
+    for idx, (opt, info) in enumerate(zip(optimizers, header["optimizers"])):
+        if isinstance(opt, ZeroRedundancyOptimizer) and _distributed():
+            # ZeRO-1 loads a consolidated state on every rank and keeps its partition (its own API).
+            box = [saved[idx] if dist.get_rank() == 0 else None]
+            dist.broadcast_object_list(box, src=0)
+            _load_zero1_state(module, opt, box[0])
+        elif info["stateless"]:
+            _load_full_optimizer_state(module, opt, {"state": {}, "param_groups": info["param_groups"]})
+        elif _distributed():
+            set_optimizer_state_dict(module, opt, saved[idx] if dist.get_rank() == 0 else {},
+                                     options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        else:
+            _load_full_optimizer_state(module, opt, saved[idx])
+    return header["rest"]
 
 
 def _load_full_optimizer_state(module: nn.Module, optimizer: Optimizer, state: dict[str, Any]) -> None:

@@ -134,11 +134,26 @@ def test_the_count_readme_states() -> None:
     assert len(CASES) == 66  # README, "Bad input": keep both in step when adding cases
 
 
-@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed", "bf16-true"])
-def test_pipelines_refuse_a_trainer_precision_they_would_ignore(precision: str) -> None:
+def test_pipelines_refuse_a_trainer_precision_they_would_ignore() -> None:
     import lightning.pytorch as pl
 
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="pp", precision=precision, logger=False)
-    with pytest.raises(ValueError, match=r"`Trainer\(precision\)`=.* pipeline stages .* HINT: use precision='32-true'"):
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="pp", precision="64-true", logger=False)
+    with pytest.raises(ValueError, match=r"`Trainer\(precision\)`='64-true' is invalid: pipeline stages .* honour only .*HINT: use one"):
         trainer.strategy.setup_environment()
     assert not (dist.is_available() and dist.is_initialized())
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed", "bf16-true"])
+def test_pipelines_accept_the_trainer_precisions_they_honour(precision: str) -> None:
+    """Once refused; now honoured inside the stages (trained and checked in tests/test_precision.py)."""
+    import lightning.pytorch as pl
+
+    from lightning_parallel.strategies.options import check_pipeline_precision
+
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    # On the CPU Lightning turns precision="16-mixed" into bf16-mixed; fp16 comes through the plugin.
+    kind = {"plugins": [MixedPrecision("16-mixed", "cpu")]} if precision == "16-mixed" else {"precision": precision}
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="pp", logger=False, **kind)
+    assert trainer.strategy.precision_plugin.precision == precision
+    check_pipeline_precision(trainer.strategy.precision_plugin, trainer.strategy.resolve_dims(2))

@@ -77,7 +77,7 @@ class GroupedExperts(nn.Module):
         counts = torch.bincount(experts_sorted, minlength=num_experts).tolist()
         h = self.run_experts(x[token], counts)
         h = h * weights.reshape(-1)[assignment].unsqueeze(-1).to(h.dtype)
-        out = torch.zeros_like(x).index_add(0, token, h)
+        out = torch.zeros_like(x).index_add(0, token, h.to(x.dtype))  # autocast: bf16 expert outputs, summed in x.dtype
         return out.reshape(tokens.shape)
 
     def run_experts(self, x: Tensor, counts: list[int]) -> Tensor:

@@ -82,19 +82,24 @@ def apply_fsdp(
     """Shard ``blocks`` one FSDP2 unit each, then ``root`` (which takes the remaining params).
 
     ``dp_mesh`` is 1D (FSDP) or 2D ``(replicate, shard)`` (HSDP). Parameter names do not change.
-    Gradients are reduced in fp32 even under mixed precision, so parity with fp32 single-process
-    training holds when ``mixed_precision`` is None. ``own_meshes`` are modules sharded first on
-    a mesh of their own: experts, whose gradients are averaged over the ``edp`` ranks only.
+    ``mixed_precision`` ("bf16-mixed", "16-mixed"): parameters are gathered and computed in that
+    dtype, gradients reduced in fp32 and kept fp32 in the shards (fp32 master weights); the root
+    does not cast its inputs. None: fp32 throughout, so parity with fp32 single-process training
+    holds. ``own_meshes`` are modules sharded first on a mesh of their own: experts, whose
+    gradients are averaged over the ``edp`` ranks only.
     """
     dtype = mixed_precision_dtype(mixed_precision)
     mp_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
+    # The root's inputs are whatever it is called with (a strategy's step wrapper: the user's
+    # batch): targets, masks and integer inputs are never cast; blocks cast their activations.
+    root_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=mp_policy.reduce_dtype, cast_forward_inputs=False)
     offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
     for module, mesh in own_meshes:
         fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy, offload_policy=offload)
     for block in blocks:
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy, offload_policy=offload)
     # The root's params are used first in forward and last in backward: never reshard them early.
-    fully_shard(root, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp_policy, offload_policy=offload)
+    fully_shard(root, mesh=dp_mesh, reshard_after_forward=False, mp_policy=root_policy, offload_policy=offload)
     assert isinstance(root, FSDPModule)
     return root
 

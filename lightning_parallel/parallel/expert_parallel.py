@@ -292,7 +292,7 @@ class _ExpertParallelForward:
             h = h + 0.0 * rows.sum()
         back = _AllToAll.apply(h, recv, send, self.group, self.ep_rank, self.traffic)
         back = back * weights.reshape(-1)[assignment].unsqueeze(-1).to(back.dtype)
-        out = torch.zeros_like(x).index_add(0, token, back)
+        out = torch.zeros_like(x).index_add(0, token, back.to(x.dtype))  # autocast: bf16 expert outputs, summed in x.dtype
         if self.record_stats:
             global_counts = counts.double()
             if dist.get_world_size(self.stats_group) > 1:

@@ -35,6 +35,7 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 from torch import Tensor, fx, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -234,6 +235,12 @@ def checkpointed_blocks(module: nn.Module) -> dict[str, Callable[..., Any]]:
     }
 
 
+def _non_reentrant_checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``torch.utils.checkpoint`` as Hugging Face's layers call it (non-reentrant: autocast state
+    and keyword arguments are replayed in the recomputation)."""
+    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)
+
+
 def _honour_checkpointing(stage_module: nn.Module, blocks: dict[str, Callable[..., Any]]) -> list[str]:
     """Wrap the stage's traced copies of ``blocks`` in :class:`CheckpointedForward`; return their names."""
     wrapped = []
@@ -286,6 +293,9 @@ class PipelineRuntime:
         self.holds_last = plan.num_stages - 1 in self.stage_indices
         self._last_rank = dist.get_global_rank(group, plan.stages[-1].rank)
         self._loss_fn, self._reduction = loss_fn, loss_reduction
+        # Loss scaling (16-mixed): multiplies what the schedule backpropagates, e.g. a GradScaler's
+        # ``scale``; the losses reported by ``train_step`` stay unscaled.
+        self.loss_scale: Callable[[Tensor], Tensor] | None = None
         self._mb_losses: list[Tensor] = []
         self._train = build_schedule(spec, train_stages, microbatches, self._scaled_loss)
         self._eval = build_eval_schedule(spec, eval_stages, microbatches, [s.rank for s in plan.stages]) if eval_stages else None
@@ -358,7 +368,8 @@ class PipelineRuntime:
         if not isinstance(loss, Tensor) or loss.numel() != 1:
             raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__} {getattr(loss, 'shape', '')}")
         self._mb_losses.append(loss.detach())
-        return loss / self.microbatches if self._reduction == "mean" else loss
+        loss = loss / self.microbatches if self._reduction == "mean" else loss
+        return self.loss_scale(loss) if self.loss_scale is not None else loss
 
     def _inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
         first = first_batched(args, kwargs)
@@ -460,13 +471,18 @@ def trace_pipeline(
     plan: PipelinePlan,
     microbatches: int,
     build_eval: bool = True,
+    checkpoint_blocks: Sequence[str] = (),
 ) -> TracedPipeline:
-    """Trace ``module`` on one microbatch of the full-batch example and cut it by ``plan`` (no process group needed)."""
+    """Trace ``module`` on one microbatch of the full-batch example and cut it by ``plan`` (no process group needed).
+
+    ``checkpoint_blocks``: FQNs of blocks whose traced copies recompute their activations in
+    backward (a strategy's ``activation_checkpointing=True``), beside those the model checkpoints itself.
+    """
     mb_args, mb_kwargs = microbatch_example(tuple(example_args), dict(example_kwargs or {}), microbatches)
     train = trace_pipe(module, mb_args, mb_kwargs, plan, training=True)
     evaluation = trace_pipe(module, mb_args, mb_kwargs, plan, training=False) if build_eval else None
     canonical = {id(p): n for n, p in module.named_parameters()}
-    checkpointed = checkpointed_blocks(module)
+    checkpointed = {name: _non_reentrant_checkpoint for name in checkpoint_blocks} | checkpointed_blocks(module)
     holders = []
     used: set[int] = set()
     for pipe in (train, evaluation):
@@ -496,6 +512,7 @@ def build_pipeline(
     loss_reduction: Literal["mean", "sum"] = "mean",
     build_eval: bool = True,
     traced: TracedPipeline | None = None,
+    checkpoint_blocks: Sequence[str] = (),
 ) -> PipelineRuntime:
     """Build this rank's stages and schedules for ``module`` (traced here unless ``traced`` is given).
 
@@ -517,7 +534,8 @@ def build_pipeline(
     if traced is None:
         if example_args is None:
             raise config_error(TypeError, "example_args", None, "tracing needs one example batch of forward inputs", "pass example_args (or a TracedPipeline as traced=)")
-        traced = trace_pipeline(module, example_args, example_kwargs, plan=plan, microbatches=microbatches, build_eval=build_eval)
+        traced = trace_pipeline(module, example_args, example_kwargs, plan=plan, microbatches=microbatches, build_eval=build_eval,
+                                checkpoint_blocks=checkpoint_blocks)
     elif traced.plan.split_points != plan.split_points:
         raise config_error(ValueError, "traced", list(traced.plan.split_points), f"it was cut at other split points than the plan ({list(plan.split_points)})", "trace with this plan")
     if build_eval and traced.eval is None:

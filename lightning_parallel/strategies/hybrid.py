@@ -53,7 +53,7 @@ from lightning_parallel.compat_lightning import (
 from lightning_parallel.parallel.activation_checkpointing import apply_activation_checkpointing
 from lightning_parallel.parallel.blocks import find_repeated_blocks
 from lightning_parallel.parallel.clip import clip_grad_norm_
-from lightning_parallel.parallel.data_parallel import apply_ddp, apply_fsdp, fsdp_modules, mixed_precision_dtype
+from lightning_parallel.parallel.data_parallel import apply_ddp, apply_fsdp, fsdp_modules
 from lightning_parallel.parallel.auto_degrees import DegreeChoice, choose_3d_degrees
 from lightning_parallel.strategies.auto_layout import planner_inputs
 from lightning_parallel.parallel.pipeline_schedules import resolve_virtual_stages, schedule_spec
@@ -67,6 +67,7 @@ from lightning_parallel.parallel.tp_plan import TensorParallelPlan, resolve_tp_p
 from lightning_parallel.parallel.zero import shard_optimizer_state
 from lightning_parallel.pretrained import run_pending_loads
 from lightning_parallel.strategies import checkpoint as ckpt
+from lightning_parallel.strategies import precision as prec
 from lightning_parallel.strategies.experts import add_moe_losses, apply_experts, reduce_expert_grads
 from lightning_parallel.strategies.layer_sync import apply_layer_sync, check_layer_sync
 from lightning_parallel.strategies.resume import (
@@ -128,7 +129,8 @@ class HybridParallelStrategy(ParallelStrategy):
         expert_parallel_size: ranks, drawn from the data-parallel ones, that split the experts.
         zero_stage: 0 replicated DDP, 1 optimizer-state sharding, 2 +gradients, 3 +parameters.
         cpu_offload: keep sharded state on the CPU (zero_stage 2-3).
-        mixed_precision: ``"bf16-mixed"`` / ``"16-mixed"`` compute with fp32 gradient reduction.
+        mixed_precision: deprecated alias of ``Trainer(precision=...)``, the one precision knob (see
+            ``strategies/precision.py``); a value contradicting the Trainer's precision is an error.
         activation_checkpointing: recompute the repeated blocks' activations in backward.
         tp_plan: module-name glob -> style (``colwise``, ``rowwise``, ...), overriding the model's
             declared plan and the inferred one.
@@ -230,6 +232,7 @@ class HybridParallelStrategy(ParallelStrategy):
             async_save=async_save,
         )
         validate_nonfinite(on_nonfinite, max_nonfinite_skips)
+        prec.warn_mixed_precision_deprecated(mixed_precision)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -379,11 +382,13 @@ class HybridParallelStrategy(ParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
+        # The deprecated mixed_precision= folded into the Trainer's precision (or refused) first.
+        self.precision_plugin = prec.resolve_precision_plugin(self.precision_plugin, self.mixed_precision, self.root_device.type)
         # Validate degrees against the world size before any process waits on another.
         self._dims = self.resolve_dims()
         self._resolve_plans()
         check_layer_sync(self._layer_sync, self._dims, self.lightning_module)  # Trainer(sync_batchnorm=True)
-        check_pipeline_precision(self.precision_plugin, self._dims)  # Trainer(precision=...) not yet in stages
+        check_pipeline_precision(self.precision_plugin, self._dims)  # Trainer(precision=...) the stages do not honour
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
@@ -419,6 +424,7 @@ class HybridParallelStrategy(ParallelStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
+        prec.use_sharded_grad_scaler(self.precision_plugin, self.root_device.type)  # 16-mixed: one overflow decision
         module = self.lightning_module
         assert module is not None
         set_device_mesh(module, self.device_mesh)  # LightningModule.device_mesh, as Lightning's own strategy sets
@@ -437,7 +443,7 @@ class HybridParallelStrategy(ParallelStrategy):
         dims = self.parallel_dims
         plan = tuple(sorted(self.tp_plan.items())) if self.tp_plan else None
         pipeline = (self.pipeline_schedule, self.microbatches, self.virtual_stages, tuple(self.split_points or ()))
-        return (dims.shape, dims.ep, self.zero_stage, self.cpu_offload, self.mixed_precision,
+        return (dims.shape, dims.ep, self.zero_stage, self.cpu_offload, prec.fsdp_param_dtype(self.precision_plugin),
                 self.activation_checkpointing, plan, self.sequence_parallel, self.loss_parallel, pipeline)
 
     def _parallelize(self, module: pl.LightningModule) -> nn.Module:
@@ -489,7 +495,7 @@ class HybridParallelStrategy(ParallelStrategy):
                 [block for _, block in blocks],
                 dims.data_parallel_mesh(),
                 reshard_after_forward=self.zero_stage == 3,  # 0 with tp: nothing is sharded anyway
-                mixed_precision=self.mixed_precision,
+                mixed_precision=prec.fsdp_param_dtype(self.precision_plugin),  # the Trainer's precision
                 cpu_offload=self.cpu_offload,
                 own_meshes=[(m, dims.axis(EDP)) for m in experts.values()],
             )
@@ -576,7 +582,8 @@ class HybridParallelStrategy(ParallelStrategy):
         """Run the closure, let every rank agree that its loss and gradients are finite (see
         ``strategies/nonfinite.py``), then clip and step as Lightning would; a skipped step never
         reaches the optimizer on any rank."""
-        if not self._nonfinite.active:
+        if not self._nonfinite.active or prec.grad_scaler(self.precision_plugin) is not None:
+            # 16-mixed: the grad scaler owns non-finite gradients (it skips the step and backs off, as torch does)
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         model = model or self.lightning_module
         result = closure()
@@ -649,22 +656,16 @@ class HybridParallelStrategy(ParallelStrategy):
         return report.replaced
 
     # ------------------------------------------------------------------ steps
-    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
-        """Mixed precision without FSDP2 (whose policy casts parameters itself): torch.autocast."""
-        dtype = mixed_precision_dtype(self.mixed_precision)
-        if dtype is None or isinstance(self.model, _StepWrapper):
-            return contextlib.nullcontext()
-        return torch.autocast(self.root_device.type, dtype=dtype)
-
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         with self._explain("forward" if self._pipeline is None else "pipeline schedule (forward and backward)"):
             return self._training_step(*args, **kwargs)
 
     def _training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._pipeline is not None:
-            return self._pipeline.training_step(*args, **kwargs)
-        with self._autocast(), sharded_logits_step(self.loss_parallel) as release:
+        if self._pipeline is not None:  # Lightning enters the precision context in super().training_step
+            with prec.pipeline_step_context(self.precision_plugin, "training_step"):
+                return self._pipeline.training_step(*args, **kwargs)
+        with sharded_logits_step(self.loss_parallel) as release:
             output = release(super().training_step(*args, **kwargs))
         return add_moe_losses(self.lightning_module, output)
 
@@ -689,23 +690,25 @@ class HybridParallelStrategy(ParallelStrategy):
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._pipeline is not None:
-            return self._pipeline.eval_step("validation_step", *args, **kwargs)
-        with self._autocast(), sharded_logits_step(self.loss_parallel) as release:
+            with prec.pipeline_step_context(self.precision_plugin, "validation_step"):
+                return self._pipeline.eval_step("validation_step", *args, **kwargs)
+        with sharded_logits_step(self.loss_parallel) as release:
             return release(super().validation_step(*args, **kwargs))
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._pipeline is not None:
-            return self._pipeline.eval_step("test_step", *args, **kwargs)
-        with self._autocast(), sharded_logits_step(self.loss_parallel) as release:
+            with prec.pipeline_step_context(self.precision_plugin, "test_step"):
+                return self._pipeline.eval_step("test_step", *args, **kwargs)
+        with sharded_logits_step(self.loss_parallel) as release:
             return release(super().test_step(*args, **kwargs))
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._pipeline is not None:
-            return self._pipeline.eval_step("predict_step", *args, **kwargs)
-        with self._autocast():
-            return super().predict_step(*args, **kwargs)
+            with prec.pipeline_step_context(self.precision_plugin, "predict_step"):
+                return self._pipeline.eval_step("predict_step", *args, **kwargs)
+        return super().predict_step(*args, **kwargs)
 
     @contextlib.contextmanager
     @override
@@ -787,16 +790,17 @@ class HybridParallelStrategy(ParallelStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         assert self.lightning_module is not None
-        if self._pipeline is not None:  # each tensor from the stage keeping it; no rank gathers the others'
-            return self._pipeline.checkpoint_model_state(full=not self._save_distributed_checkpoint)
+        if self._pipeline is not None:  # ranks freed what other stages own: gather from the owners
+            return self._pipeline.model_state(full=not self._save_distributed_checkpoint)
         return ckpt.model_state(self.lightning_module, full=not self._save_distributed_checkpoint)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         optimizer = unwrap_optimizer(optimizer)
         assert self.lightning_module is not None
-        if self._pipeline is not None:  # each parameter's state from the stage keeping it (strategies/pipeline_checkpoint.py)
-            return self._pipeline.checkpoint_optimizer_state(optimizer, full=not self._save_distributed_checkpoint)
+        if self._pipeline is not None:  # each parameter's state from the stage keeping it (see the function)
+            return ckpt.pipeline_optimizer_state(self.lightning_module, optimizer, not self._save_distributed_checkpoint,
+                                                 self._pipeline._keepers, self._pipeline.group)
         return ckpt.optimizer_state(self.lightning_module, optimizer, full=not self._save_distributed_checkpoint)
 
     @override
@@ -824,8 +828,8 @@ class HybridParallelStrategy(ParallelStrategy):
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         self._resume_skip_pending = fitting
         pipeline = self._pipeline
-        if pipeline is not None:  # each rank reads what its stages hold
-            loaded = self._load_into_pipeline(pipeline, path, fitting)
+        if pipeline is not None and pipeline._runtime is not None:  # stages traced: released copies, shards
+            loaded = self._load_into_traced_pipeline(pipeline, path, fitting)
         else:
             loaded = ckpt.load_into(self.lightning_module, list(self.optimizers), path, strict=self.lightning_module.strict_loading)
         # Restored now (right for a checkpoint at an epoch end) and again once a mid-epoch resume
@@ -834,26 +838,21 @@ class HybridParallelStrategy(ParallelStrategy):
         restore_rng_state(self._resume_rng)
         return loaded
 
-    def _load_into_pipeline(self, pipeline: Any, path: Path, fitting: bool) -> dict[str, Any]:
-        """Pipelines load per rank, only what their stages hold (``strategies/pipeline_checkpoint.py``).
-
-        Before the stages exist (they are traced from the first batch) the load waits for them:
-        then no rank reads another stage's tensors, and a meta-built model has real ones to fill.
-        ``validate/test/predict(ckpt_path=...)`` after a fit (stages traced): model weights only.
-        """
-        assert self.lightning_module is not None
-        strict = self.lightning_module.strict_loading
-        if pipeline._runtime is None:
-            pipeline.defer_load(path, strict)
-            return ckpt.read_rest(path)
+    def _load_into_traced_pipeline(self, pipeline: Any, path: Path, fitting: bool) -> dict[str, Any]:
+        """``validate/test/predict(ckpt_path=...)`` after a fit under pipelines: model weights only."""
         if fitting:
             raise RuntimeError(
                 f"Resuming fit from {path} into a module whose pipeline stages are already traced (a second"
                 " fit on the same module) is not supported: its optimizer state lives in the traced layout."
                 " HINT: resume in a fresh Trainer with a freshly built module (checkpoints are layout-independent)."
             )
-        rest = pipeline.load(path, [], strict)
-        return rest if rest is not None else ckpt.read_rest(path)
+        template = {k: torch.empty(shape, dtype=dtype) for k, (shape, dtype) in pipeline.full_shapes().items()}
+        pipeline.load_model_state(ckpt.read_full_model_state(path, template))
+        if ckpt.is_sharded_checkpoint(path):
+            return torch.load(path / ckpt.META_FILENAME, map_location="cpu", weights_only=False)
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+        checkpoint.pop("state_dict", None)
+        return checkpoint
 
     @override
     def process_dataloader(self, dataloader: object) -> object:

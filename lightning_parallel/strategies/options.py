@@ -223,19 +223,18 @@ def validate_more_options(
 
 
 def check_pipeline_precision(precision_plugin: Any, dims: Any) -> None:
-    """``Trainer(precision=...)`` other than 32-bit under pipeline parallelism is refused, not ignored.
+    """Pipelines honour the Trainer precisions of ``precision.PIPELINE_PRECISIONS``; another one is refused.
 
-    The traced stages run outside Lightning's precision context (no autocast, no gradient
-    scaler), so ``bf16-mixed`` would silently train in float32 and ``16-mixed``'s loss scaling
-    would not reach the schedule's backward. Until stages honour it, it is an error.
+    Why refuse the rest (64-true, transformer-engine, bitsandbytes, ...): the traced stages run
+    only the plugin's step context and its module conversion; a plugin that replaces layers or
+    hooks elsewhere would be silently ignored inside the stages.
     """
-    precision = str(getattr(precision_plugin, "precision", "32-true"))
-    if dims.pp > 1 and precision not in ("32-true", "32"):
+    from lightning_parallel.strategies.precision import PIPELINE_PRECISIONS, trainer_precision
+
+    precision = trainer_precision(precision_plugin)
+    if dims.pp > 1 and precision not in PIPELINE_PRECISIONS:
         raise config_error(
             ValueError, "Trainer(precision)", precision,
-            f"pipeline stages (pipeline_parallel_size={dims.pp}) do not run under the Trainer's precision yet: they would"
-            " compute in float32 (and 16-mixed's loss scaling would not reach the schedule's backward)",
-            "use precision='32-true' with pipeline parallelism, or a layout without pipelines (dp, zero1-3, tp, ep),"
-            " which honour bf16-mixed",
+            f"pipeline stages (pipeline_parallel_size={dims.pp}) honour only {list(PIPELINE_PRECISIONS)}",
+            "use one of those (e.g. precision='bf16-mixed'), or a layout without pipelines (dp, zero1-3, tp, ep)",
         )
-

@@ -34,7 +34,6 @@ user's hooks fit around it (see :mod:`.pipeline_logging` for how the step code r
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -42,12 +41,14 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lightning_parallel.compat_lightning import attached_trainer, unwrap_optimizer
 from lightning_parallel.nn.moe import MoEStats, moe_stats_log, set_moe_loss_coefs, set_moe_stats_group
 from lightning_parallel.parallel.dims import DP, EP, PP, TP
 from lightning_parallel.parallel.errors import config_error
-from lightning_parallel.parallel.pipeline import PipelineRuntime, build_pipeline
+from lightning_parallel.parallel.blocks import find_repeated_blocks
+from lightning_parallel.parallel.pipeline import CheckpointedForward, PipelineRuntime, build_pipeline
 from lightning_parallel.parallel.pipeline_fsdp import apply_stage_fsdp, unsharded_for_eval
 from lightning_parallel.parallel.pipeline_moe import (
     MoEStepRecord,
@@ -73,8 +74,7 @@ from lightning_parallel.parallel.pipeline_schedules import (
     schedule_spec,
 )
 from lightning_parallel.strategies.experts import reduce_expert_grads
-from lightning_parallel.strategies import pipeline_checkpoint as pckpt
-from lightning_parallel.strategies.checkpoint import is_sharded_checkpoint
+from lightning_parallel.strategies.precision import grad_scaler
 from lightning_parallel.strategies.pipeline_entry import Entry, entry_mismatch_error, rebuilt_output, split_kwargs, tracing_forward
 from lightning_parallel.strategies.pipeline_logging import (
     LogCapture,
@@ -126,7 +126,10 @@ def resolve_pipeline_config(
     loss_parallel: bool = False,
     cpu_offload: bool = False,
 ) -> PipelineConfig:
-    """Validate the pipeline options and plan the stages (no process group, no collective)."""
+    """Validate the pipeline options and plan the stages (no process group, no collective).
+
+    ``mixed_precision`` is accepted for the callers' sake and not checked: it is folded into the
+    Trainer's precision, which the stages honour (``strategies/precision.py``)."""
     spec = schedule_spec(schedule)
     unsupported = [
         ("cpu_offload", cpu_offload, cpu_offload, "use cpu_offload=False with pipeline parallelism"),
@@ -137,8 +140,6 @@ def resolve_pipeline_config(
         ("sequence_parallel", sequence_parallel, tp > 1 and sequence_parallel, "use sequence_parallel=false with pipeline parallelism"),
         ("loss_parallel", loss_parallel, tp > 1 and loss_parallel,
          "use loss_parallel=false with pipeline parallelism (the last stage hands the loss full logits)"),
-        ("mixed_precision", mixed_precision, mixed_precision is not None, "train in fp32 (precision='32-true')"),
-        ("activation_checkpointing", activation_checkpointing, activation_checkpointing, "use activation_checkpointing=False"),
     ]
     for name, value, bad, fix in unsupported:
         if bad:
@@ -187,11 +188,11 @@ class PipelineDriver:
         self._dp_group = dims.axis(DP).get_group() if dims.dp > 1 else None
         self._last_rank = dist.get_global_rank(self.group, self.config.plan.stages[-1].rank)
         self._runtime: PipelineRuntime | None = None
+        self.checkpointed: list[str] = []  # block FQNs recomputed in backward on this rank, once traced
         self._entry: Entry | None = None  # the call the stages were traced from (forward or self.<child>)
         self._step: _TrainStep | None = None
         self._stash: list[tuple[nn.Parameter, Tensor]] = []
         self._keepers: dict[str, int] = {}
-        self._pending_load: tuple[Path, bool] | None = None  # a checkpoint to read once the stages exist
         self._moe = bool(opaque_units(module))
         self._expert_params: set[int] = set()  # ids of expert-parallel parameters (averaged over edp, not dp)
         self._sharded: set[int] = set()  # ids of parameters FSDP2 manages (ZeRO 1-3): not averaged here
@@ -240,8 +241,16 @@ class PipelineDriver:
                 loss_fn=self._loss,
                 group=self.group,
                 device=self.device,
+                # activation_checkpointing=True: the stages' traced copies of the repeated blocks recompute in backward
+                checkpoint_blocks=[n for n, _ in find_repeated_blocks(self.module)] if self.strategy.activation_checkpointing else (),
             )
         self._entry = entry
+        self.checkpointed = sorted(  # what this rank's training stages recompute (own and the model's checkpointing)
+            n for s in self._runtime.stages_submodules(train=True) for n, m in s.named_modules()
+            if isinstance(m.__dict__.get("forward"), CheckpointedForward)
+        )
+        scaler = grad_scaler(self.strategy.precision_plugin)  # 16-mixed: the schedule backpropagates the scaled loss
+        self._runtime.loss_scale = scaler.scale if scaler is not None else None
         self._runtime.release_non_owned()
         whole = unit_parameter_names(self.module)  # MoE layers' parameters: kept out of tp and ZeRO (see below)
         if self._moe and self.dims.dp > 1:  # balance losses over the global microbatch
@@ -281,10 +290,6 @@ class PipelineDriver:
         dist.all_gather_object(released, sorted(self._runtime.released), group=self.group)
         names = [n for n, _ in (*self.module.named_parameters(), *self.module.named_buffers())]
         self._keepers = {n: min(r for r, gone in enumerate(released) if n not in gone) for n in names}
-        if self._pending_load is not None:  # a resume: each rank reads what its stages now hold
-            path, strict = self._pending_load
-            self._pending_load = None
-            self.load(path, self._optimizers(), strict)
 
     def _optimizers(self) -> list[Any]:
         """The strategy's optimizers, unwrapped from Lightning's ``LightningOptimizer``."""
@@ -484,11 +489,40 @@ class PipelineDriver:
             out[name] = value
         return out
 
+    def full_shapes(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
+        """Every state-dict tensor's full shape and dtype (released copies and shards included)."""
+        runtime = self._runtime
+        by_id = {id(t): n for n, t in (*self.module.named_parameters(), *self.module.named_buffers())}
+        out = {}
+        for key, value in self.module.state_dict(keep_vars=True).items():
+            name = by_id.get(id(value), key)
+            shape = runtime.released.get(name, value.shape) if runtime is not None else value.shape
+            out[key] = (torch.Size(shape), value.dtype)
+        return out
+
+    @torch.no_grad()
+    def load_model_state(self, full_state: dict[str, Tensor]) -> None:
+        """Put full tensors (same on every rank) into the traced layout: each rank keeps what it holds.
+
+        Why not ``load_state_dict``: released copies are empty and stage parameters may be
+        tensor-parallel or ZeRO shards (DTensors); each takes its own slice of the full value.
+        """
+        for key, value in self.module.state_dict(keep_vars=True).items():
+            if value.numel() == 0:
+                continue  # released: another stage owns it
+            full = full_state[key].to(value.device)
+            if isinstance(value, DTensor):
+                local = distribute_tensor(full, value.device_mesh, value.placements, src_data_rank=None).to_local()
+                value.to_local().copy_(local)
+            else:
+                value.copy_(full)
+
     def model_state(self, full: bool = True) -> dict[str, Any]:
         """The LightningModule's state dict with every tensor full (gathered from its owner), on every rank.
 
-        For inspection and tests (every rank receives every tensor): checkpoints use
-        :meth:`checkpoint_model_state`, which never gathers whole parameters on every rank.
+        What ``HybridParallelStrategy.lightning_module_state_dict`` should return under pipeline
+        parallelism: its default reads the freed copies. Identical full tensors on every rank
+        also suit the sharded (DCP) format, which keeps one copy of replicated tensors.
         """
         gathered = self.gather_state()
         by_id = {id(t): n for n, t in (*self.module.named_parameters(), *self.module.named_buffers())}
@@ -498,36 +532,3 @@ class PipelineDriver:
             tensor = gathered[by_id[id(value)]] if id(value) in by_id else value.detach()
             out[key] = tensor.cpu() if full else tensor
         return out
-
-    # ------------------------------------------------------------------ checkpoints
-    def checkpoint_model_state(self, full: bool) -> dict[str, Any]:
-        """The model state a checkpoint holds (see :mod:`.pipeline_checkpoint`): with ``full``,
-        consolidated on global rank 0 only; otherwise the tensors this rank keeps, as it holds them."""
-        runtime = self._runtime
-        if runtime is None:  # not traced yet: every rank holds the whole model (DCP writes one copy)
-            return {k: v.detach().cpu() if full else v.detach() for k, v in self.module.state_dict(keep_vars=True).items()}
-        if full:
-            return pckpt.model_state_to_rank0(self.module, self._keepers, runtime.released, self.group, self.device)
-        return pckpt.kept_model_state(self.module, self._keepers, dist.get_rank(self.group))
-
-    def checkpoint_optimizer_state(self, optimizer: Any, full: bool) -> dict[str, Any]:
-        """``optimizer``'s state as a checkpoint holds it: each entry from the rank keeping its parameter."""
-        if self._runtime is None:  # not traced: every rank holds every state; pipeline rank 0 writes it
-            return pckpt.kept_optimizer_state(self.module, optimizer, {}, dist.get_rank(self.group))
-        if full:
-            return pckpt.optimizer_state_to_rank0(self.module, optimizer, self._keepers, self.group, self.device)
-        return pckpt.kept_optimizer_state(self.module, optimizer, self._keepers, dist.get_rank(self.group))
-
-    def defer_load(self, path: Path, strict: bool) -> None:
-        """Load ``path`` when the stages are traced (first batch): then each rank reads only the
-        tensors its stages hold, and a meta-built model has real tensors to load into."""
-        self._pending_load = (path, strict)
-
-    def load(self, path: Path, optimizers: list[Any], strict: bool) -> dict[str, Any] | None:
-        """Load model (and ``optimizers``') state into the traced stages; each rank reads what it holds.
-        Returns the rest of a consolidated file's checkpoint (``None`` for a sharded directory)."""
-        runtime = self.runtime
-        if is_sharded_checkpoint(path):
-            pckpt.load_held_sharded(self.module, optimizers, path, strict, runtime.released)
-            return None
-        return pckpt.load_held_consolidated(self.module, optimizers, path, strict, runtime.released, self.device)

@@ -790,17 +790,16 @@ class HybridParallelStrategy(ParallelStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         assert self.lightning_module is not None
-        if self._pipeline is not None:  # ranks freed what other stages own: gather from the owners
-            return self._pipeline.model_state(full=not self._save_distributed_checkpoint)
+        if self._pipeline is not None:  # each tensor from the stage keeping it; no rank gathers the others'
+            return self._pipeline.checkpoint_model_state(full=not self._save_distributed_checkpoint)
         return ckpt.model_state(self.lightning_module, full=not self._save_distributed_checkpoint)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         optimizer = unwrap_optimizer(optimizer)
         assert self.lightning_module is not None
-        if self._pipeline is not None:  # each parameter's state from the stage keeping it (see the function)
-            return ckpt.pipeline_optimizer_state(self.lightning_module, optimizer, not self._save_distributed_checkpoint,
-                                                 self._pipeline._keepers, self._pipeline.group)
+        if self._pipeline is not None:  # each parameter's state from the stage keeping it (strategies/pipeline_checkpoint.py)
+            return self._pipeline.checkpoint_optimizer_state(optimizer, full=not self._save_distributed_checkpoint)
         return ckpt.optimizer_state(self.lightning_module, optimizer, full=not self._save_distributed_checkpoint)
 
     @override
@@ -828,8 +827,8 @@ class HybridParallelStrategy(ParallelStrategy):
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         self._resume_skip_pending = fitting
         pipeline = self._pipeline
-        if pipeline is not None and pipeline._runtime is not None:  # stages traced: released copies, shards
-            loaded = self._load_into_traced_pipeline(pipeline, path, fitting)
+        if pipeline is not None:  # each rank reads what its stages hold
+            loaded = self._load_into_pipeline(pipeline, path, fitting)
         else:
             loaded = ckpt.load_into(self.lightning_module, list(self.optimizers), path, strict=self.lightning_module.strict_loading)
         # Restored now (right for a checkpoint at an epoch end) and again once a mid-epoch resume
@@ -838,21 +837,26 @@ class HybridParallelStrategy(ParallelStrategy):
         restore_rng_state(self._resume_rng)
         return loaded
 
-    def _load_into_traced_pipeline(self, pipeline: Any, path: Path, fitting: bool) -> dict[str, Any]:
-        """``validate/test/predict(ckpt_path=...)`` after a fit under pipelines: model weights only."""
+    def _load_into_pipeline(self, pipeline: Any, path: Path, fitting: bool) -> dict[str, Any]:
+        """Pipelines load per rank, only what their stages hold (``strategies/pipeline_checkpoint.py``).
+
+        Before the stages exist (they are traced from the first batch) the load waits for them:
+        then no rank reads another stage's tensors, and a meta-built model has real ones to fill.
+        ``validate/test/predict(ckpt_path=...)`` after a fit (stages traced): model weights only.
+        """
+        assert self.lightning_module is not None
+        strict = self.lightning_module.strict_loading
+        if pipeline._runtime is None:
+            pipeline.defer_load(path, strict)
+            return ckpt.read_rest(path)
         if fitting:
             raise RuntimeError(
                 f"Resuming fit from {path} into a module whose pipeline stages are already traced (a second"
                 " fit on the same module) is not supported: its optimizer state lives in the traced layout."
                 " HINT: resume in a fresh Trainer with a freshly built module (checkpoints are layout-independent)."
             )
-        template = {k: torch.empty(shape, dtype=dtype) for k, (shape, dtype) in pipeline.full_shapes().items()}
-        pipeline.load_model_state(ckpt.read_full_model_state(path, template))
-        if ckpt.is_sharded_checkpoint(path):
-            return torch.load(path / ckpt.META_FILENAME, map_location="cpu", weights_only=False)
-        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
-        checkpoint.pop("state_dict", None)
-        return checkpoint
+        rest = pipeline.load(path, [], strict)
+        return rest if rest is not None else ckpt.read_rest(path)
 
     @override
     def process_dataloader(self, dataloader: object) -> object:

@@ -34,6 +34,7 @@ user's hooks fit around it (see :mod:`.pipeline_logging` for how the step code r
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -41,7 +42,6 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lightning_parallel.compat_lightning import attached_trainer, unwrap_optimizer
 from lightning_parallel.nn.moe import MoEStats, moe_stats_log, set_moe_loss_coefs, set_moe_stats_group
@@ -74,6 +74,8 @@ from lightning_parallel.parallel.pipeline_schedules import (
     schedule_spec,
 )
 from lightning_parallel.strategies.experts import reduce_expert_grads
+from lightning_parallel.strategies import pipeline_checkpoint as pckpt
+from lightning_parallel.strategies.checkpoint import is_sharded_checkpoint
 from lightning_parallel.strategies.precision import grad_scaler
 from lightning_parallel.strategies.pipeline_entry import Entry, entry_mismatch_error, rebuilt_output, split_kwargs, tracing_forward
 from lightning_parallel.strategies.pipeline_logging import (
@@ -193,6 +195,7 @@ class PipelineDriver:
         self._step: _TrainStep | None = None
         self._stash: list[tuple[nn.Parameter, Tensor]] = []
         self._keepers: dict[str, int] = {}
+        self._pending_load: tuple[Path, bool] | None = None  # a checkpoint to read once the stages exist
         self._moe = bool(opaque_units(module))
         self._expert_params: set[int] = set()  # ids of expert-parallel parameters (averaged over edp, not dp)
         self._sharded: set[int] = set()  # ids of parameters FSDP2 manages (ZeRO 1-3): not averaged here
@@ -290,6 +293,10 @@ class PipelineDriver:
         dist.all_gather_object(released, sorted(self._runtime.released), group=self.group)
         names = [n for n, _ in (*self.module.named_parameters(), *self.module.named_buffers())]
         self._keepers = {n: min(r for r, gone in enumerate(released) if n not in gone) for n in names}
+        if self._pending_load is not None:  # a resume: each rank reads what its stages now hold
+            path, strict = self._pending_load
+            self._pending_load = None
+            self.load(path, self._optimizers(), strict)
 
     def _optimizers(self) -> list[Any]:
         """The strategy's optimizers, unwrapped from Lightning's ``LightningOptimizer``."""
@@ -489,40 +496,11 @@ class PipelineDriver:
             out[name] = value
         return out
 
-    def full_shapes(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
-        """Every state-dict tensor's full shape and dtype (released copies and shards included)."""
-        runtime = self._runtime
-        by_id = {id(t): n for n, t in (*self.module.named_parameters(), *self.module.named_buffers())}
-        out = {}
-        for key, value in self.module.state_dict(keep_vars=True).items():
-            name = by_id.get(id(value), key)
-            shape = runtime.released.get(name, value.shape) if runtime is not None else value.shape
-            out[key] = (torch.Size(shape), value.dtype)
-        return out
-
-    @torch.no_grad()
-    def load_model_state(self, full_state: dict[str, Tensor]) -> None:
-        """Put full tensors (same on every rank) into the traced layout: each rank keeps what it holds.
-
-        Why not ``load_state_dict``: released copies are empty and stage parameters may be
-        tensor-parallel or ZeRO shards (DTensors); each takes its own slice of the full value.
-        """
-        for key, value in self.module.state_dict(keep_vars=True).items():
-            if value.numel() == 0:
-                continue  # released: another stage owns it
-            full = full_state[key].to(value.device)
-            if isinstance(value, DTensor):
-                local = distribute_tensor(full, value.device_mesh, value.placements, src_data_rank=None).to_local()
-                value.to_local().copy_(local)
-            else:
-                value.copy_(full)
-
     def model_state(self, full: bool = True) -> dict[str, Any]:
         """The LightningModule's state dict with every tensor full (gathered from its owner), on every rank.
 
-        What ``HybridParallelStrategy.lightning_module_state_dict`` should return under pipeline
-        parallelism: its default reads the freed copies. Identical full tensors on every rank
-        also suit the sharded (DCP) format, which keeps one copy of replicated tensors.
+        For inspection and tests (every rank receives every tensor): checkpoints use
+        :meth:`checkpoint_model_state`, which never gathers whole parameters on every rank.
         """
         gathered = self.gather_state()
         by_id = {id(t): n for n, t in (*self.module.named_parameters(), *self.module.named_buffers())}
@@ -532,3 +510,36 @@ class PipelineDriver:
             tensor = gathered[by_id[id(value)]] if id(value) in by_id else value.detach()
             out[key] = tensor.cpu() if full else tensor
         return out
+
+    # ------------------------------------------------------------------ checkpoints
+    def checkpoint_model_state(self, full: bool) -> dict[str, Any]:
+        """The model state a checkpoint holds (see :mod:`.pipeline_checkpoint`): with ``full``,
+        consolidated on global rank 0 only; otherwise the tensors this rank keeps, as it holds them."""
+        runtime = self._runtime
+        if runtime is None:  # not traced yet: every rank holds the whole model (DCP writes one copy)
+            return {k: v.detach().cpu() if full else v.detach() for k, v in self.module.state_dict(keep_vars=True).items()}
+        if full:
+            return pckpt.model_state_to_rank0(self.module, self._keepers, runtime.released, self.group, self.device)
+        return pckpt.kept_model_state(self.module, self._keepers, dist.get_rank(self.group))
+
+    def checkpoint_optimizer_state(self, optimizer: Any, full: bool) -> dict[str, Any]:
+        """``optimizer``'s state as a checkpoint holds it: each entry from the rank keeping its parameter."""
+        if self._runtime is None:  # not traced: every rank holds every state; pipeline rank 0 writes it
+            return pckpt.kept_optimizer_state(self.module, optimizer, {}, dist.get_rank(self.group))
+        if full:
+            return pckpt.optimizer_state_to_rank0(self.module, optimizer, self._keepers, self.group, self.device)
+        return pckpt.kept_optimizer_state(self.module, optimizer, self._keepers, dist.get_rank(self.group))
+
+    def defer_load(self, path: Path, strict: bool) -> None:
+        """Load ``path`` when the stages are traced (first batch): then each rank reads only the
+        tensors its stages hold, and a meta-built model has real tensors to load into."""
+        self._pending_load = (path, strict)
+
+    def load(self, path: Path, optimizers: list[Any], strict: bool) -> dict[str, Any] | None:
+        """Load model (and ``optimizers``') state into the traced stages; each rank reads what it holds.
+        Returns the rest of a consolidated file's checkpoint (``None`` for a sharded directory)."""
+        runtime = self.runtime
+        if is_sharded_checkpoint(path):
+            pckpt.load_held_sharded(self.module, optimizers, path, strict, runtime.released)
+            return None
+        return pckpt.load_held_consolidated(self.module, optimizers, path, strict, runtime.released, self.device)

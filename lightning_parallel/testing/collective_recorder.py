@@ -47,9 +47,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 import torch.distributed.distributed_c10d as c10d
 from torch.overrides import TorchFunctionMode
+
+from lightning_parallel.compat import (
+    functional_collectives as funcol,
+    local_tensor,
+    parse_to_device,
+    resolve_process_group,
+)
 
 ROOT = torch.device("cpu", 0)
 """Stands for ``cuda:<local_rank>``: an index tells it apart from a plain CPU device."""
@@ -83,7 +89,7 @@ FUNCTIONAL_COLLECTIVES: tuple[str, ...] = (
 def mark_cpu(tensor: torch.Tensor) -> torch.Tensor:
     """Mark ``tensor`` (and a DTensor's local shard) as held on the CPU in a CUDA run (offload)."""
     setattr(tensor, MARK, True)
-    local = getattr(tensor, "_local_tensor", None)
+    local = local_tensor(tensor)
     if isinstance(local, torch.Tensor):
         setattr(local, MARK, True)
     return tensor
@@ -93,7 +99,7 @@ def would_be_cpu(tensor: torch.Tensor) -> bool:
     """Whether a CUDA run would hold ``tensor`` on the CPU (per the marks above)."""
     if getattr(tensor, MARK, False):
         return True
-    local = getattr(tensor, "_local_tensor", None)
+    local = local_tensor(tensor)
     return isinstance(local, torch.Tensor) and bool(getattr(local, MARK, False))
 
 
@@ -170,7 +176,7 @@ class DeviceTaintMode(TorchFunctionMode):
         device: Any = kwargs.get("device")
         if name == "to" and inputs and args and args[0] is inputs[0]:
             try:
-                device = torch._C._nn._parse_to(*args[1:], **kwargs)[0]
+                device = parse_to_device(*args[1:], **kwargs)
             except (TypeError, RuntimeError):
                 device = None
         if device is not None:
@@ -233,6 +239,13 @@ def _frame_name(frame: Any) -> str:
     return f"{short}:{frame.f_lineno} {frame.f_code.co_name}"
 
 
+def _outside_recorder(frame: Any) -> Any:
+    """The first frame not in this module (a collective torch runs inside the mode's handler)."""
+    while frame.f_back is not None and frame.f_code.co_filename == __file__:
+        frame = frame.f_back
+    return frame
+
+
 def _group_ranks(group: Any) -> tuple[int, ...]:
     try:
         if group is None:
@@ -242,7 +255,7 @@ def _group_ranks(group: Any) -> tuple[int, ...]:
         if isinstance(group, tuple) and len(group) == 2:  # DTensor: (mesh, mesh_dim)
             return tuple(dist.get_process_group_ranks(group[0].get_group(group[1])))
         if isinstance(group, str):
-            return tuple(dist.get_process_group_ranks(c10d._resolve_process_group(group)))
+            return tuple(dist.get_process_group_ranks(resolve_process_group(group)))
         if hasattr(group, "get_group"):  # a 1-D DeviceMesh
             return tuple(dist.get_process_group_ranks(group.get_group()))
         if isinstance(group, list):
@@ -343,7 +356,7 @@ class CollectiveRecorder:
                         tensors.extend(t for t in item if isinstance(t, torch.Tensor))
         site, direct = self._site(caller)
         self.calls.append(CollectiveCall(
-            op=label, site=site, direct=direct, via=_frame_name(caller), ranks=_group_ranks(group),
+            op=label, site=site, direct=direct, via=_frame_name(_outside_recorder(caller)), ranks=_group_ranks(group),
             backend=self._backend(),
             devices=tuple("cpu" if would_be_cpu(t) else "cuda" for t in tensors),
             shapes=tuple(tuple(t.shape) for t in tensors),

@@ -18,6 +18,12 @@ experts: a router score that moves by an ulp can flip a choice, a discrete jump 
 under ep=2), so ``MOE_BF16_RTOL`` = 2e-2, 5 bf16 units. fp16 keeps 11 bits (4.9e-4): measured
 6.4e-6 (zero3), 2.5e-6 (pp); ``FP16_RTOL`` = 5e-4, one fp16 unit. The losses alone cannot tell bf16
 from fp32 here (one process: 3.3e-5 apart), which is why the dtypes are checked directly.
+``bf16-true`` (pp): the weights themselves are bf16, so each SGD update is rounded to a bf16
+unit, and the pipeline averages per-microbatch bf16 losses where one process takes one bf16
+mean: measured 7.8e-3 (2 bf16 units), ``BF16_TRUE_RTOL`` = 2e-2 (5 units).
+Also here: 16-mixed (fp16 logits, one process's loss-scale sequence under ``ShardedGradScaler``),
+activation checkpointing inside pipeline stages (exact fp32 parity, every block recomputed), and
+the strategy's deprecated ``mixed_precision=`` (an alias of the Trainer's precision).
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from tests.test_data_parallel import HYBRID
 BF16_RTOL = 2e-3
 MOE_BF16_RTOL = 2e-2
 FP16_RTOL = 5e-4
+BF16_TRUE_RTOL = 2e-2
 GPT_KWARGS = {"vocab_size": 64, "block_size": 16, "n_layer": 4, "n_head": 4, "n_embd": 32, "lr": 0.5}
 MOE_KWARGS = {"vocab_size": 64, "block_size": 16, "n_layer": 2, "n_head": 4, "n_embd": 32, "lr": 0.5,
               "num_experts": 4, "top_k": 2, "aux_loss_coef": 0.1, "z_loss_coef": 0.01}
@@ -154,6 +161,7 @@ TWO_RANKS: list[tuple[str, FitSpec, str]] = [  # label, spec, reference key
     ("zero3 16-mixed", _spec("16-mixed", "zero3", 2, max_steps=8), "fp16"),
     ("pp 16-mixed", _spec("16-mixed", PP, 2, max_steps=8), "fp16"),
     ("pp 32-true + activation checkpointing", _spec("32-true", {**PP, "activation_checkpointing": True}, 2), "fp32"),
+    ("pp bf16-true", _spec("bf16-true", PP, 2), "bf16_true"),
 ]
 FOUR_RANKS: list[tuple[str, FitSpec, str]] = [
     ("pp2 x tp2", _spec("bf16-mixed", {"class": HYBRID, "pipeline_parallel_size": 2, "tensor_parallel_size": 2}, 4), "bf16"),
@@ -164,8 +172,15 @@ REFERENCES = {
     "moe_bf16": _spec("bf16-mixed", moe=True),
     "fp16": _spec("16-mixed", max_steps=8),
     "fp32": _spec("32-true"),
+    "bf16_true": _spec("bf16-true"),
 }
-COMPUTE = {"bf16": "torch.bfloat16", "moe_bf16": "torch.bfloat16", "fp16": "torch.float16", "fp32": "torch.float32"}
+F32, BF16, F16 = "torch.float32", "torch.bfloat16", "torch.float16"
+# reference key -> (logits, loss, float mask, held parameters and gradients) as the step sees them
+EXPECTED = {
+    "bf16": (BF16, F32, F32, F32), "moe_bf16": (BF16, F32, F32, F32), "fp16": (F16, F32, F32, F32), "fp32": (F32, F32, F32, F32),
+    # bf16-true as in Lightning: the module is bf16, and its plugin converts every float tensor of the batch
+    "bf16_true": (BF16, BF16, BF16, BF16),
+}
 
 
 def _check_dtypes(label: str, per_rank: list[dict[str, Any]], key: str) -> None:
@@ -173,13 +188,14 @@ def _check_dtypes(label: str, per_rank: list[dict[str, Any]], key: str) -> None:
     for step in range(steps):
         probes = [r["records"]["probe"][step] for r in per_rank if r["records"]["probe"][step] is not None]
         assert probes, f"{label} step {step}: no rank ran the loss"
+        logits, loss, mask, held = EXPECTED[key]
         for probe in probes:
-            assert probe == {"logits": COMPUTE[key], "targets": "torch.int64", "loss": "torch.float32"}, f"{label} step {step}: {probe}"
+            assert probe == {"logits": logits, "targets": "torch.int64", "loss": loss}, f"{label} step {step}: {probe}"
         masks = {r["records"]["mask"][step] for r in per_rank} - {None}
-        assert masks == {"torch.float32"}, f"{label} step {step}: the float mask arrived as {masks}"
+        assert masks == {mask}, f"{label} step {step}: the float mask arrived as {masks}"
     for rank, r in enumerate(per_rank):
-        assert r["records"]["params"] and all(d == ["torch.float32"] for d in r["records"]["params"]), f"{label} rank {rank}"
-        assert all(d == ["torch.float32"] for d in r["records"]["grads"]), f"{label} rank {rank}: {r['records']['grads']}"
+        assert r["records"]["params"] and all(d == [held] for d in r["records"]["params"]), f"{label} rank {rank}"
+        assert all(d == [held] for d in r["records"]["grads"]), f"{label} rank {rank}: {r['records']['grads']}"
 
 
 def _check_losses(label: str, result: dict[str, Any], reference: dict[str, Any], rtol: float) -> float:
@@ -221,7 +237,7 @@ def test_every_layout_honours_the_trainers_precision(references: dict[str, dict[
                 held = [r["records"]["checkpointed"][0] for r in per_rank]
                 assert all(held) and sorted(sum(held, [])) == [f"blocks.{i}" for i in range(4)], held
                 continue
-            rtol = {"fp16": FP16_RTOL, "moe_bf16": MOE_BF16_RTOL}.get(key, BF16_RTOL)
+            rtol = {"fp16": FP16_RTOL, "moe_bf16": MOE_BF16_RTOL, "bf16_true": BF16_TRUE_RTOL}.get(key, BF16_RTOL)
             for rank, r in enumerate(per_rank):
                 worst[f"{label} rank {rank}"] = _check_losses(f"{label} rank {rank}", r, reference, rtol)
             if key == "fp16":

@@ -20,7 +20,7 @@ What each value means under every layout (dp, zero1-3, hsdp, tp, ep, pp, 3d):
   hold different gradients and would decide differently (one rank steps, another skips). It is
   replaced by torch's ``ShardedGradScaler`` with the same settings, which all-reduces the
   overflow flag over the world. Under pipelines the schedule backpropagates the scaled loss.
-* ``bf16-true`` (and ``16-true``): as in Lightning, the module is converted to the low dtype.
+* ``bf16-true``: as in Lightning, the module is converted to bf16 (and so are the batch's float tensors).
 
 The strategy's own ``mixed_precision=`` option is a deprecated alias: a value that agrees with
 the Trainer's precision (or is given with the Trainer's default, ``32-true``) becomes the
@@ -40,9 +40,9 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from lightning_parallel.errors import config_error
 
 MIXED = ("bf16-mixed", "16-mixed")
-PIPELINE_PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
-"""The Trainer precisions pipeline stages honour (tested in tests/test_precision.py and
-tests/test_bad_input.py); others (64-true, transformer-engine, bitsandbytes) are refused there."""
+PIPELINE_PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
+"""The Trainer precisions pipeline stages honour (each trained under pp in tests/test_precision.py);
+others (16-true, 64-true, transformer-engine, bitsandbytes: not tested there) are refused."""
 
 
 def trainer_precision(plugin: Any) -> str:

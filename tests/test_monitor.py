@@ -100,3 +100,31 @@ def test_state_bytes_under_dp_zero1_zero3_on_two_ranks(tmp_path: Path) -> None:
     assert "DDP all-reduce" in dp["comm_measured"]
     assert (tmp_path / "zero3" / "parallelism.json").exists()
     assert 0 < ranks[0]["zero3"]["logged"]["perf/comm_share"] < 1
+
+
+SETUP_BYTES = 128 * 2**20
+
+
+class SetupHeavyNet(SeedNet):
+    """Touches a 128 MiB buffer while the model is being set up (as materialising or loading a
+    layout does) and frees it before training: only the set-up peak may hold it."""
+
+    def configure_model(self) -> None:
+        scratch = torch.ones(SETUP_BYTES // 4)  # written, so resident
+        assert float(scratch[-1]) == 1.0
+        del scratch
+
+
+def test_setup_peak_is_reported_beside_the_training_peak(tmp_path: Path) -> None:
+    monitor = ParallelismMonitor(warmup_steps=0, measure_communication=False)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[monitor],
+                         default_root_dir=str(tmp_path))
+    trainer.fit(SetupHeavyNet(), _loader())
+    summary = monitor.summary
+    assert summary is not None and summary["setup_peak_memory_kind"] == summary["peak_memory_kind"] == "cpu_peak_rss"
+    setup, training = summary["setup_peak_memory_bytes_per_rank"][0], summary["peak_memory_bytes_per_rank"][0]
+    assert setup >= SETUP_BYTES, summary
+    # The scratch buffer was returned to the OS before training: the training window does not see it.
+    assert training < setup - SETUP_BYTES // 2, summary
+    assert json.loads((tmp_path / "parallelism.json").read_text())["setup_peak_memory_bytes_per_rank"] == [setup]

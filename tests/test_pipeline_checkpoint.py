@@ -9,8 +9,9 @@ tensors its stages hold (``strategies/pipeline_checkpoint.py``). Checked here:
 * a resume under pp2 and under pp2 x tp2 continues exactly like one uninterrupted process, for
   SGD without state and for AdamW with two parameter groups and an LR scheduler (DESIGN.md: a
   large ``eps`` keeps AdamW comparable across layouts);
-* checkpoints resume under another layout: one process -> pp2 from a consolidated file,
-  pp2 x tp2 -> dp2 x pp2 (pp -> one process and one process -> 3d: tests/test_checkpoint_reshard.py).
+* checkpoints resume under another layout: pp2 -> zero3, zero1 -> pp2, one process -> pp2 x tp2
+  from a consolidated file (pp -> one process and one process -> dp2 x tp2 x pp2:
+  tests/test_checkpoint_reshard.py).
 
 The epoch is 3 global batches; the first run stops at its end (a clean resume point, see
 tests/test_checkpoint_reshard.py), the resumed run trains the next 3.
@@ -132,7 +133,6 @@ SGD = FitSpec(model="lightning_parallel.models:GPT", model_kwargs={**KWARGS, "lr
 ADAMW = dataclasses.replace(SGD, model="tests.test_pipeline_checkpoint:GPTTwoGroupsAdamW", model_kwargs={**KWARGS, "lr": 0.01})
 PP2 = {"pipeline_parallel_size": 2, "microbatches": 2}
 TP2_PP2 = {"tensor_parallel_size": 2, **PP2}
-DP2_PP2 = {"data_parallel_size": 2, **PP2}
 
 
 def _first(spec: FitSpec, layout: dict[str, Any], path: Path, sharded: bool = True, traffic: Path | None = None) -> FitSpec:
@@ -187,23 +187,28 @@ def _file_keys(path: Path) -> dict[str, set[str]]:
 
 
 def test_pipeline_save_writes_own_stages_and_resumes_in_any_layout(tmp_path: Path, one_process: dict[str, Any]) -> None:
-    """pp2: the sharded save gathers nothing; pp2 -> pp2 (SGD, AdamW) and 1 -> pp2 (consolidated
-    file) continue like the uninterrupted single process."""
+    """pp2: the sharded save gathers nothing; pp2 -> pp2 (SGD, AdamW), pp2 -> zero3 and zero1 -> pp2
+    continue like the uninterrupted single process."""
     traffic = tmp_path / "traffic.jsonl"
     ref_sgd, ref_adamw = one_process["sgd"], one_process["adamw"]
     results = _run([
         _first(SGD, PP2, tmp_path / "sgd.ckpt", traffic=traffic),
         _first(ADAMW, PP2, tmp_path / "adamw.ckpt", traffic=traffic),
+        _first(ADAMW, {"zero_stage": 1}, tmp_path / "zero1.ckpt"),
         _resume(SGD, PP2, tmp_path / "sgd.ckpt"),
         _resume(ADAMW, PP2, tmp_path / "adamw.ckpt"),
-        _resume(ADAMW, PP2, one_process["path"]),
+        _resume(ADAMW, {"zero_stage": 3}, tmp_path / "adamw.ckpt"),
+        _resume(ADAMW, PP2, tmp_path / "zero1.ckpt"),
     ], 2)
-    for result, reference, label in ((results[0], ref_sgd, "pp2 SGD, first epoch"), (results[1], ref_adamw, "pp2 AdamW, first epoch")):
+    for result, reference, label in ((results[0], ref_sgd, "pp2 SGD, first epoch"), (results[1], ref_adamw, "pp2 AdamW, first epoch"),
+                                      (results[2], ref_adamw, "zero1 AdamW, first epoch")):
         torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(reference["losses"][:3]), rtol=1e-5, atol=0,
                                    msg=lambda m: f"{label}: {m}")
-    _assert_continues(results[2], ref_sgd, "pp2 -> pp2, SGD (no optimizer state)")
-    _assert_continues(results[3], ref_adamw, "pp2 -> pp2, AdamW 2 groups + StepLR")
-    _assert_continues(results[4], ref_adamw, "1 -> pp2 (consolidated file), AdamW")
+    _assert_continues(results[3], ref_sgd, "pp2 -> pp2, SGD (no optimizer state)")
+    _assert_continues(results[4], ref_adamw, "pp2 -> pp2, AdamW 2 groups + StepLR")
+    _assert_continues(results[5], ref_adamw, "pp2 -> zero3, AdamW")
+    # ZeRO-1 keeps its optimizer state consolidated beside the DCP files (meta.pt): placed into the stages too.
+    _assert_continues(results[6], ref_adamw, "zero1 -> pp2, AdamW")
 
     records = [json.loads(line) for line in traffic.read_text().splitlines()]
     assert len(records) == 4  # two saves on two ranks
@@ -220,19 +225,17 @@ def test_pipeline_save_writes_own_stages_and_resumes_in_any_layout(tmp_path: Pat
         assert files["__0_0.distcp"].isdisjoint(files["__1_0.distcp"])
 
 
-def test_resume_tp2_x_pp2_in_place_and_on_dp2_x_pp2(tmp_path: Path, one_process: dict[str, Any]) -> None:
-    """pp2 x tp2 (AdamW, two groups, StepLR): save sharded and consolidated; resume under pp2 x tp2
-    from both and under dp2 x pp2 from the sharded directory: the next steps equal one process."""
+def test_resume_tp2_x_pp2_sharded_and_from_a_consolidated_file(tmp_path: Path, one_process: dict[str, Any]) -> None:
+    """pp2 x tp2 (AdamW, two groups, StepLR): save sharded and resume; resume from one process's
+    consolidated file (rank 0 broadcasts it, each rank keeps its tensor-parallel slices of its
+    stages): the next steps equal one process. (The consolidated tp2 x pp2 save and tp2 x pp2 ->
+    one process: tests/test_checkpoint_reshard.py.)"""
     reference = one_process["adamw"]
     results = _run([
         _first(ADAMW, TP2_PP2, tmp_path / "3d.ckpt"),
-        _first(ADAMW, TP2_PP2, tmp_path / "3d-full.ckpt", sharded=False),
         _resume(ADAMW, TP2_PP2, tmp_path / "3d.ckpt"),
-        _resume(ADAMW, TP2_PP2, tmp_path / "3d-full.ckpt"),
-        _resume(ADAMW, DP2_PP2, tmp_path / "3d.ckpt"),
+        _resume(ADAMW, TP2_PP2, one_process["path"]),
     ], 4)
     torch.testing.assert_close(torch.tensor(results[0]["losses"]), torch.tensor(reference["losses"][:3]), rtol=1e-5, atol=0)
-    assert (tmp_path / "3d.ckpt").is_dir() and (tmp_path / "3d-full.ckpt").is_file()
-    _assert_continues(results[2], reference, "pp2 x tp2 -> pp2 x tp2 (sharded)")
-    _assert_continues(results[3], reference, "pp2 x tp2 -> pp2 x tp2 (consolidated file)")
-    _assert_continues(results[4], reference, "pp2 x tp2 -> dp2 x pp2 (sharded)")
+    _assert_continues(results[1], reference, "pp2 x tp2 -> pp2 x tp2")
+    _assert_continues(results[2], reference, "1 -> pp2 x tp2 (consolidated file, broadcast from rank 0)")

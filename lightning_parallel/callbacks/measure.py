@@ -25,6 +25,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -102,6 +103,63 @@ def peak_memory_bytes(device: torch.device) -> tuple[int, str]:
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024), "cpu_peak_rss"
+
+
+_STATUS = Path("/proc/self/status")
+_CLEAR_REFS = Path("/proc/self/clear_refs")
+
+
+def _peak_rss_now() -> int | None:
+    """The process's RSS high-water mark (``VmHWM``, Linux), or ``None`` where there is none."""
+    try:
+        for line in _STATUS.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+class PeakWindow:
+    """Peak memory between :meth:`start` and :meth:`read` (one window at a time per process).
+
+    On a GPU, ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``: every tensor
+    allocated at some point of the window, including those alive when it opened. On the CPU,
+    the peak resident set: Linux resets the high-water mark ``VmHWM`` to the current RSS when
+    ``5`` is written to ``/proc/self/clear_refs``, so the figure is the largest RSS seen inside the
+    window (what was resident when it opened included). Where that reset is not possible the
+    process's peak since it started is reported, and the kind says so (``..._since_start``):
+    a set-up peak is then a true upper bound, a training peak may include set-up.
+    """
+
+    def __init__(self) -> None:
+        self._kind: str | None = None
+
+    def start(self, device: torch.device) -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            self._kind = "cuda_max_memory_allocated"
+            return
+        try:
+            _CLEAR_REFS.write_text("5")
+            self._kind = "cpu_peak_rss" if _peak_rss_now() is not None else "cpu_peak_rss_since_start"
+        except OSError:
+            self._kind = "cpu_peak_rss_since_start"
+
+    @property
+    def started(self) -> bool:
+        return self._kind is not None
+
+    def read(self, device: torch.device) -> tuple[int, str]:
+        """(peak bytes since :meth:`start`, what it is)."""
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            return int(torch.cuda.max_memory_allocated(device)), "cuda_max_memory_allocated"
+        peak = _peak_rss_now() if self._kind == "cpu_peak_rss" else None
+        if peak is None:
+            return peak_memory_bytes(device)[0], "cpu_peak_rss_since_start"
+        return peak, "cpu_peak_rss"
 
 
 class _TimedWork(dist.distributed_c10d.Work):

@@ -4,8 +4,12 @@ A Lightning callback, so it works with any strategy (ours or Lightning's) and an
 Per training batch it logs global samples/s and tokens/s, step time and the fraction of the
 step this rank spent blocked in collectives (see :mod:`lightning_parallel.callbacks.measure`
 for what is and is not counted); once per run it records what each rank holds (parameters,
-gradients, optimizer state) and its peak memory. At the end of ``fit`` the per-rank figures
-are gathered and rank 0 writes them as JSON next to the run's outputs.
+gradients, optimizer state) and its peak memory over two windows: *set-up* (from the
+callback's ``setup`` hook, right after the process group exists, through ``configure_model``,
+the strategy's layout and materialisation and a checkpoint restore, to the first training
+batch) and *training* (from the first training batch to the end of ``fit``; a pipeline traces
+its stages inside the first step, so that is counted here). At the end of ``fit`` the per-rank
+figures are gathered and rank 0 writes them as JSON next to the run's outputs.
 
 Why "global" means data-parallel ranks: tensor- and pipeline-parallel peers process the same
 samples, so samples/s = local batch x data-parallel replicas / step time of the slowest rank.
@@ -25,7 +29,7 @@ from lightning.pytorch.callbacks import Callback
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_parallel.callbacks.measure import CollectiveTimer, model_state_bytes, peak_memory_bytes
+from lightning_parallel.callbacks.measure import CollectiveTimer, PeakWindow, model_state_bytes
 from lightning_parallel.errors import config_error
 
 RESULT_FILE = "parallelism.json"
@@ -80,6 +84,8 @@ class ParallelismMonitor(Callback):
         self.prog_bar = prog_bar
         self.timer = CollectiveTimer()
         self.summary: dict[str, Any] | None = None
+        self._window = PeakWindow()
+        self._setup_peak: tuple[int, str] | None = None
         self._reset()
 
     def _reset(self) -> None:
@@ -89,6 +95,19 @@ class ParallelismMonitor(Callback):
         self._t0 = self._comm0 = 0.0
 
     # ------------------------------------------------------------------ lifecycle
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":  # the set-up window opens: the process group exists, the layout does not yet
+            self._setup_peak = None
+            self._window.start(trainer.strategy.root_device)
+
+    def _close_setup_window(self, trainer: pl.Trainer) -> None:
+        """Record the set-up peak and open the training window (first training batch, or the end of a fit without one)."""
+        if self._setup_peak is None and self._window.started:
+            device = trainer.strategy.root_device
+            self._setup_peak = self._window.read(device)
+            self._window.start(device)
+
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._reset()
@@ -101,6 +120,7 @@ class ParallelismMonitor(Callback):
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         self._sync(pl_module)
+        self._close_setup_window(trainer)
         self._t0, self._comm0 = time.perf_counter(), self.timer.seconds
 
     @override
@@ -146,6 +166,7 @@ class ParallelismMonitor(Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.timer.uninstall()
+        self._close_setup_window(trainer)
         local = self._local_summary(trainer, pl_module)
         per_rank = [local]
         if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
@@ -177,7 +198,9 @@ class ParallelismMonitor(Callback):
         steps = self._steps[self.warmup_steps:] if len(self._steps) > self.warmup_steps else self._steps
         step_s = sum(s[0] for s in steps)
         comm_s = sum(s[1] for s in steps)
-        peak, kind = peak_memory_bytes(pl_module.device)
+        device = trainer.strategy.root_device
+        peak, kind = self._window.read(device) if self._window.started else PeakWindow().read(device)
+        setup_peak, setup_kind = self._setup_peak or (None, None)
         return {
             "steps": len(steps),
             "step_seconds": step_s / len(steps) if steps else None,
@@ -187,6 +210,8 @@ class ParallelismMonitor(Callback):
             "state_bytes": self._state or model_state_bytes(pl_module, trainer.optimizers),
             "peak_memory_bytes": peak,
             "peak_memory_kind": kind,
+            "setup_peak_memory_bytes": setup_peak,
+            "setup_peak_memory_kind": setup_kind,
         }
 
     def _combine(self, trainer: pl.Trainer, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
@@ -216,4 +241,8 @@ class ParallelismMonitor(Callback):
             "state_bytes_per_rank": [r["state_bytes"] for r in per_rank],
             "peak_memory_bytes_per_rank": [r["peak_memory_bytes"] for r in per_rank],
             "peak_memory_kind": first["peak_memory_kind"],
+            "setup_peak_memory_bytes_per_rank": [r["setup_peak_memory_bytes"] for r in per_rank],
+            "setup_peak_memory_kind": first["setup_peak_memory_kind"],
+            "peak_memory_windows": "setup: callback setup (process group up) to the first training batch;"
+                                   " training: first training batch to the end of fit",
         }

@@ -214,10 +214,37 @@ def _missing_error(path: Path, missing: list[str]) -> ValueError:
     )
 
 
+@torch.no_grad()
+def place_full_optimizer_state(module: nn.Module, optimizer: Optimizer, saved: dict[str, Any], held: set[str]) -> None:
+    """Load a consolidated, FQN-keyed optimizer state (already in memory: ZeRO-1 checkpoints keep it in
+    ``meta.pt``) into this rank's stages: each held parameter's entries, sliced to its layout."""
+    _, params = _param_groups(module, optimizer)
+    init_held_state(optimizer, [p for p, name in params if name in held])
+    for group, hyper in zip(optimizer.param_groups, saved.get("param_groups", [])):
+        group.update({k: v for k, v in hyper.items() if k != "params"})
+    state = saved.get("state", {})
+    for p, name in params:
+        if name not in held or not optimizer.state.get(p):
+            continue
+        if name not in state:
+            del optimizer.state[p]  # saved before it stepped: start fresh
+            continue
+        live = optimizer.state[p]
+        for k, value in state[name].items():
+            if isinstance(value, Tensor) and isinstance(live.get(k), Tensor):
+                _place(live[k], value)
+            else:
+                live[k] = value
+
+
 def load_held_sharded(module: nn.Module, optimizers: Iterable[Optimizer], path: Path, strict: bool,
-                      released: dict[str, torch.Size]) -> None:
-    """Read from the DCP directory ``path`` exactly the entries this rank's stages hold (a collective)."""
+                      released: dict[str, torch.Size], full_states: dict[int, Any] | None = None) -> None:
+    """Read from the DCP directory ``path`` exactly the entries this rank's stages hold (a collective).
+
+    ``full_states``: optimizer index -> the consolidated state a ZeRO-1 run stored in ``meta.pt``
+    (not in the DCP files), placed by :func:`place_full_optimizer_state` instead."""
     metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    full_states = full_states or {}
     held = held_names(module, released)
     model = {key: value.detach() for key, name, value in _entries(module) if name in held}
     found = {k[len(MODEL_PREFIX):]: tuple(v.size) for k, v in metadata.items() if k.startswith(MODEL_PREFIX) and hasattr(v, "size")}
@@ -229,6 +256,9 @@ def load_held_sharded(module: nn.Module, optimizers: Iterable[Optimizer], path: 
     values: list[tuple[dict[str, Any], str, str]] = []  # (container, key in it, template key) for plain values
     absent: list[tuple[Optimizer, nn.Parameter]] = []
     for idx, optimizer in enumerate(optimizers):
+        if idx in full_states:
+            place_full_optimizer_state(module, optimizer, full_states[idx], held)
+            continue
         groups, params = _param_groups(module, optimizer)
         init_held_state(optimizer, [p for p, name in params if name in held])
         for i, group in enumerate(optimizer.param_groups):

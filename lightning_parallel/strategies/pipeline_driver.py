@@ -75,7 +75,7 @@ from lightning_parallel.parallel.pipeline_schedules import (
 )
 from lightning_parallel.strategies.experts import reduce_expert_grads
 from lightning_parallel.strategies import pipeline_checkpoint as pckpt
-from lightning_parallel.strategies.checkpoint import is_sharded_checkpoint
+from lightning_parallel.strategies.checkpoint import ZERO1_KEY, is_sharded_checkpoint, read_rest
 from lightning_parallel.strategies.precision import grad_scaler
 from lightning_parallel.strategies.pipeline_entry import Entry, entry_mismatch_error, rebuilt_output, split_kwargs, tracing_forward
 from lightning_parallel.strategies.pipeline_logging import (
@@ -540,6 +540,7 @@ class PipelineDriver:
         Returns the rest of a consolidated file's checkpoint (``None`` for a sharded directory)."""
         runtime = self.runtime
         if is_sharded_checkpoint(path):
-            pckpt.load_held_sharded(self.module, optimizers, path, strict, runtime.released)
+            zero1 = read_rest(path).get(ZERO1_KEY, {}) if optimizers else {}  # saved consolidated by a ZeRO-1 run
+            pckpt.load_held_sharded(self.module, optimizers, path, strict, runtime.released, zero1)
             return None
         return pckpt.load_held_consolidated(self.module, optimizers, path, strict, runtime.released, self.device)

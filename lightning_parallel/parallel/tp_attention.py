@@ -226,6 +226,9 @@ class RegionForward:
         self.gather_input = gather_input
         self.slice_output = slice_output
 
+    # Eager even inside a compiled block (``compile_blocks``): the region's dispatch mode and
+    # implicit replication are not traceable by dynamo, so the block's graph breaks around it.
+    @torch.compiler.disable
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.gather_input:
             args, kwargs = _first_tensor_arg(args, kwargs, lambda x: gather_sequence(x, self.mesh))

@@ -29,6 +29,7 @@ def _compute_dtype(strategy: Any) -> str:
 
 def engine_check(strategy: Any, module: nn.Module) -> Any:
     """A ``Layout -> reason | None`` callable with the strategy's validation rules for that layout."""
+    from lightning_parallel.parallel.compile import check_compile_layout
     from lightning_parallel.strategies.options import check_pipeline_precision, validate_options
     from lightning_parallel.strategies.pipeline_driver import resolve_pipeline_config
 
@@ -44,6 +45,7 @@ def engine_check(strategy: Any, module: nn.Module) -> Any:
                 hybrid_shard=strategy.hybrid_shard, start_method=strategy._start_method, strict_plan=strategy.strict_plan,
                 sequence_parallel=strategy.sequence_parallel, tp_plan=strategy.tp_plan, loss_parallel=strategy.loss_parallel,
             )
+            check_compile_layout(getattr(strategy, "_compile_kwargs", None), layout.pp, layout.tp)  # compiled blocks
             if layout.pp > 1:
                 check_pipeline_precision(strategy.precision_plugin, layout)  # Trainer(precision) != 32-true
                 resolve_pipeline_config(

@@ -15,7 +15,7 @@ ever waits on a collective because of a configuration error.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -51,6 +51,7 @@ from lightning_parallel.compat_lightning import (
     unwrap_optimizer,
 )
 from lightning_parallel.parallel.activation_checkpointing import apply_activation_checkpointing
+from lightning_parallel.parallel.compile import apply_compile, check_compile_layout, compile_kwargs
 from lightning_parallel.parallel.blocks import find_repeated_blocks
 from lightning_parallel.parallel.clip import clip_grad_norm_
 from lightning_parallel.parallel.data_parallel import apply_ddp, apply_fsdp, fsdp_modules
@@ -132,6 +133,9 @@ class HybridParallelStrategy(ParallelStrategy):
         mixed_precision: deprecated alias of ``Trainer(precision=...)``, the one precision knob (see
             ``strategies/precision.py``); a value contradicting the Trainer's precision is an error.
         activation_checkpointing: recompute the repeated blocks' activations in backward.
+        compile_blocks: ``torch.compile`` each repeated block in place (``True``: torch's defaults, or a
+            mapping of ``torch.compile`` arguments such as ``{"backend": "aot_eager"}``); not with
+            pipelines (see ``parallel/compile.py``).
         tp_plan: module-name glob -> style (``colwise``, ``rowwise``, ...), overriding the model's
             declared plan and the inferred one.
         strict_plan: a module that cannot be split by ``tensor_parallel_size`` is an error, not a warning.
@@ -172,6 +176,7 @@ class HybridParallelStrategy(ParallelStrategy):
         cpu_offload: bool = False,
         mixed_precision: str | None = None,
         activation_checkpointing: bool = False,
+        compile_blocks: bool | Mapping[str, Any] = False,
         hybrid_shard: bool = False,
         data_parallel_replicate_size: Degree = "auto",
         tp_plan: dict[str, str] | None = None,
@@ -232,6 +237,8 @@ class HybridParallelStrategy(ParallelStrategy):
             async_save=async_save,
         )
         validate_nonfinite(on_nonfinite, max_nonfinite_skips)
+        compile_options = compile_kwargs(compile_blocks)  # typed errors here, before any process group
+        check_compile_layout(compile_options, *(d if isinstance(d, int) else 1 for d in (pipeline_parallel_size, tensor_parallel_size)))
         prec.warn_mixed_precision_deprecated(mixed_precision)
         super().__init__(
             accelerator=accelerator,
@@ -245,6 +252,9 @@ class HybridParallelStrategy(ParallelStrategy):
         self.cpu_offload = cpu_offload
         self.mixed_precision = mixed_precision
         self.activation_checkpointing = activation_checkpointing
+        self.compile_blocks = compile_blocks
+        self._compile_kwargs = compile_options
+        self._compiled_blocks: list[str] = []
         self.hybrid_shard = hybrid_shard
         self.tp_plan = dict(tp_plan) if tp_plan else None
         self.strict_plan = strict_plan
@@ -469,6 +479,7 @@ class HybridParallelStrategy(ParallelStrategy):
         if dims.pp > 1:
             from lightning_parallel.strategies.pipeline_driver import PipelineDriver
 
+            check_compile_layout(self._compile_kwargs, dims.pp, dims.tp)
             # Stages are traced from the first real batch (the traced graph fixes its shape);
             # tensor parallelism is applied to the traced stages then (parallel/pipeline_tp.py).
             if dims.tp > 1:
@@ -479,6 +490,7 @@ class HybridParallelStrategy(ParallelStrategy):
             return module
         apply_layer_sync(self._layer_sync, module, dims)  # BatchNorm statistics over the dp group
         blocks = find_repeated_blocks(module)
+        check_compile_layout(self._compile_kwargs, dims.pp, dims.tp)  # "auto" degrees resolved now
         if dims.tp > 1:
             apply_tensor_parallel(
                 module, dims.axis(TP), self._log_tp_plan(), sequence_parallel=self.sequence_parallel, loss_parallel=self.loss_parallel
@@ -486,6 +498,8 @@ class HybridParallelStrategy(ParallelStrategy):
         experts, self._expert_params = apply_experts(module, dims, self.moe_aux_loss_coef, self.moe_z_loss_coef)
         if self.activation_checkpointing:
             self._checkpointed_blocks = apply_activation_checkpointing(module, blocks)
+        if self._compile_kwargs is not None:  # after tp and checkpointing (traced in), before FSDP2 / DDP hooks
+            self._compiled_blocks = apply_compile(blocks, self._compile_kwargs)
         if dims.dp > 1 and (self.zero_stage >= 2 or dims.tp > 1):
             # DTensor parameters (tensor parallel) cannot go through DDP: FSDP2 over the
             # (replicate, shard) mesh covers replication too (shard size 1 = all-reduce only).

@@ -1,0 +1,90 @@
+"""``torch.compile`` of the repeated blocks, one block at a time (the strategy's ``compile_blocks``).
+
+Why per block and not the whole model: every block of a transformer has the same code, so one
+compilation serves them all (dynamo inlines ``nn.Module``\\ s and takes their parameters as
+inputs), compile time does not grow with depth, and what sits between blocks (FSDP2's unit
+hooks, DDP's bucket hooks, the pipeline of the training step) stays eager. torchtitan compiles
+the same way, for the same reasons.
+
+Why ``nn.Module.compile`` (in place) and not ``torch.compile(module)``: the latter returns an
+``OptimizedModule`` wrapper whose parameter names gain ``_orig_mod.``; compiling in place keeps
+every name, so checkpoints, ``tp_plan`` globs, ``split_points`` and optimizer states are those of
+the uncompiled model.
+
+Order (``HybridParallelStrategy._apply_layout``): after tensor parallelism and activation
+checkpointing (both are traced into the block's graph: DTensor ops and the checkpointed region),
+before FSDP2 / DDP (whose hooks dynamo leaves eager: ``torch._dynamo.config.skip_fsdp_hooks``).
+Pipelines are refused: their stages are graphs traced with ``torch.export`` from the first batch,
+and a compiled block cannot be traced again (``compile_blocks`` with ``pipeline_parallel_size > 1``
+is a typed error naming the fix). Tensor parallelism is refused too, for now (see
+:func:`check_compile_layout`); dp, ZeRO-1/2/3, HSDP and ep compile.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_parallel.errors import config_error
+
+_COMPILE_PARAMS = frozenset(inspect.signature(torch.compile).parameters) - {"model"}
+
+
+def compile_kwargs(option: Any) -> dict[str, Any] | None:
+    """The ``torch.compile`` keyword arguments ``compile_blocks=option`` asks for (None: no compile).
+
+    ``True`` compiles with torch's defaults (inductor); a mapping passes its keys to
+    ``torch.compile`` (``backend``, ``mode``, ``fullgraph``, ``dynamic``, ``options``).
+    """
+    if option is None or option is False:
+        return None
+    if option is True:
+        return {}
+    if isinstance(option, Mapping):
+        unknown = sorted(set(option) - _COMPILE_PARAMS)
+        if unknown:
+            raise config_error(
+                ValueError, "compile_blocks", dict(option), f"keys {unknown} are not torch.compile arguments",
+                f"use only {sorted(_COMPILE_PARAMS)}, e.g. compile_blocks={{'backend': 'inductor', 'fullgraph': True}}",
+            )
+        return dict(option)
+    raise config_error(
+        TypeError, "compile_blocks", option, "it must be a bool or a mapping of torch.compile arguments",
+        "pass compile_blocks=True, or e.g. compile_blocks={'backend': 'aot_eager'}",
+    )
+
+
+def check_compile_layout(kwargs: dict[str, Any] | None, pipeline_parallel_size: int, tensor_parallel_size: int = 1) -> None:
+    """Refuse ``compile_blocks`` where the blocks are traced into pipeline stages, and with tensor
+    parallelism: the attention runs in an eager DTensor region (``tp_attention.RegionForward``,
+    excluded from dynamo), and AOT autograd's backward of the compiled rest then receives plain
+    tensors where its traced graph expects DTensor gradients (measured: ``'Tensor' object has no
+    attribute '_local_tensor'`` in backward under ``aot_eager``; dynamo's capture alone works)."""
+    if kwargs is not None and tensor_parallel_size > 1:
+        raise config_error(
+            ValueError, "compile_blocks", kwargs if kwargs else True,
+            f"with tensor_parallel_size={tensor_parallel_size} the attention's DTensor region runs eagerly and the"
+            " compiled rest of the block cannot take its plain-tensor gradients (AOT autograd expects DTensors)",
+            "use compile_blocks=False with tensor parallelism, or data parallelism / ZeRO / ep with compile_blocks",
+        )
+    if kwargs is not None and pipeline_parallel_size > 1:
+        raise config_error(
+            ValueError, "compile_blocks", kwargs if kwargs else True,
+            f"pipeline stages (pipeline_parallel_size={pipeline_parallel_size}) are graphs traced with torch.export"
+            " from the first batch, and a compiled block cannot be traced again",
+            "use compile_blocks=False with pipeline parallelism, or a layout without pipelines (dp, zero1-3, tp, ep)",
+        )
+
+
+def apply_compile(blocks: Sequence[tuple[str, nn.Module]], kwargs: dict[str, Any]) -> list[str]:
+    """Compile every block in place (names kept); return the names compiled."""
+    for _, block in blocks:
+        block.compile(**kwargs)
+    return [name for name, _ in blocks]
+
+
+__all__ = ["apply_compile", "check_compile_layout", "compile_kwargs"]

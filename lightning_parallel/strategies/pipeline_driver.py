@@ -516,6 +516,12 @@ class PipelineDriver:
         """The model state a checkpoint holds (see :mod:`.pipeline_checkpoint`): with ``full``,
         consolidated on global rank 0 only; otherwise the tensors this rank keeps, as it holds them."""
         runtime = self._runtime
+        if runtime is None and self._pending_load is not None:
+            raise RuntimeError(
+                f"Saving a checkpoint before the pipeline stages were traced, while the checkpoint {self._pending_load[0]}"
+                " this run resumed from is still to be read (it is read into the stages at the first batch): the save"
+                " would hold the module's initial weights. HINT: save after at least one training or evaluation batch."
+            )
         if runtime is None:  # not traced yet: every rank holds the whole model (DCP writes one copy)
             return {k: v.detach().cpu() if full else v.detach() for k, v in self.module.state_dict(keep_vars=True).items()}
         if full:

@@ -160,6 +160,7 @@ TWO_RANKS: list[tuple[str, FitSpec, str]] = [  # label, spec, reference key
     ("dp via mixed_precision=", _spec("32-true", {"class": HYBRID, "mixed_precision": "bf16-mixed"}, 2), "bf16"),
     ("zero3 16-mixed", _spec("16-mixed", "zero3", 2, max_steps=8), "fp16"),
     ("pp 16-mixed", _spec("16-mixed", PP, 2, max_steps=8), "fp16"),
+    ("tp 16-mixed", _spec("16-mixed", {"class": HYBRID, "tensor_parallel_size": 2}, 2, max_steps=8), "fp16"),
     ("pp 32-true + activation checkpointing", _spec("32-true", {**PP, "activation_checkpointing": True}, 2), "fp32"),
     ("pp bf16-true", _spec("bf16-true", PP, 2), "bf16_true"),
 ]
@@ -242,7 +243,7 @@ def test_every_layout_honours_the_trainers_precision(references: dict[str, dict[
                 worst[f"{label} rank {rank}"] = _check_losses(f"{label} rank {rank}", r, reference, rtol)
             if key == "fp16":
                 for r in per_rank:
-                    assert r["records"]["scaler"] == ["ShardedGradScaler"], label
+                    assert r["records"]["scaler"] == ["LayoutGradScaler"], label
                     assert r["records"]["scale"] == reference["records"]["scale"], f"{label}: {r['records']['scale']}"
     print("worst relative loss difference per layout:", {k: f"{v:.1e}" for k, v in worst.items()})
 

@@ -18,8 +18,8 @@ What each value means under every layout (dp, zero1-3, hsdp, tp, ep, pp, 3d):
 * ``16-mixed`` adds loss scaling. Lightning's per-process ``GradScaler`` decides on overflow
   from the gradients one rank holds; with sharded (FSDP2, DTensor) or pipelined gradients ranks
   hold different gradients and would decide differently (one rank steps, another skips). It is
-  replaced by torch's ``ShardedGradScaler`` with the same settings, which all-reduces the
-  overflow flag over the world. Under pipelines the schedule backpropagates the scaled loss.
+  replaced by torch's ``ShardedGradScaler`` (:class:`LayoutGradScaler`: on the gradients' local
+  parts) with the same settings, which all-reduces the overflow flag over the world. Under pipelines the schedule backpropagates the scaled loss.
 * ``bf16-true``: as in Lightning, the module is converted to bf16 (and so are the batch's float tensors).
 
 The strategy's own ``mixed_precision=`` option is a deprecated alias: a value that agrees with
@@ -31,11 +31,13 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.distributed.tensor import DTensor
 
 from lightning_parallel.errors import config_error
 
@@ -108,18 +110,37 @@ def grad_scaler(plugin: Precision) -> Any | None:
     return scaler if scaler is not None and getattr(scaler, "is_enabled", lambda: True)() else None
 
 
+class LayoutGradScaler(ShardedGradScaler):
+    """torch's ``ShardedGradScaler`` checking and unscaling the local part of every gradient.
+
+    Why: torch unscales a device's gradients in one foreach call, and under tensor parallelism
+    they mix DTensors with plain tensors (modules the plan leaves whole), which DTensor refuses
+    ("got mixed torch.Tensor and DTensor"). Each rank unscales what it holds, in place (a
+    DTensor's local tensor is its storage), and ``unscale_`` all-reduces the overflow flag over
+    the world as before. Relies on ``_unscale_grads_`` reading only ``param_groups[*]["params"][*].grad``
+    (torch 2.12-2.13).
+    """
+
+    def _unscale_grads_(self, optimizer: Any, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool = True) -> Any:
+        local = SimpleNamespace(param_groups=[
+            {"params": [SimpleNamespace(grad=p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad) for p in group["params"]]}
+            for group in optimizer.param_groups
+        ])
+        return super()._unscale_grads_(local, inv_scale, found_inf, allow_fp16)
+
+
 def use_sharded_grad_scaler(plugin: Precision, device_type: str) -> None:
-    """Swap a per-process ``GradScaler`` for a ``ShardedGradScaler`` with the same settings.
+    """Swap a per-process ``GradScaler`` for a :class:`LayoutGradScaler` with the same settings.
 
     Why: overflow must be one decision for all ranks (see the module docstring). Its found-inf
     all-reduce runs over the world, so every rank (every stage, every shard) takes it. Called in
     ``setup()``, after the callbacks' ``setup`` (a callback may install its own scaler).
     """
     scaler = grad_scaler(plugin)
-    if scaler is None or isinstance(scaler, ShardedGradScaler):
+    if scaler is None or isinstance(scaler, LayoutGradScaler):
         return
     state = scaler.state_dict()
-    sharded = ShardedGradScaler(
+    sharded = LayoutGradScaler(
         device=device_type, init_scale=state["scale"], growth_factor=state["growth_factor"],
         backoff_factor=state["backoff_factor"], growth_interval=state["growth_interval"],
     )

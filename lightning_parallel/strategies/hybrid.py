@@ -693,6 +693,8 @@ class HybridParallelStrategy(ParallelStrategy):
             # The schedule already ran backward inside training_step; Lightning's closure zeroed the
             # gradients since (zero_grad runs between step and backward): put them back.
             assert self.lightning_module is not None
+            # (16-mixed: the schedule backpropagated the scaled loss; scaling this stand-in only
+            # starts the scaler's scale on ranks without the last stage, which unscale_ needs.)
             closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
             self._pipeline.backward()
             return self.precision_plugin.post_backward(closure_loss, self.lightning_module)

@@ -185,13 +185,16 @@ def local_tensor(tensor: Any) -> Tensor | None:
     return getattr(tensor, "_local_tensor", None)
 
 
-def parse_to_device(*args: Any, **kwargs: Any) -> torch.device | None:
-    """The device a ``Tensor.to(*args, **kwargs)`` call moves to (``torch._C._nn._parse_to``), or None.
+#: ``torch._C._nn._parse_to``: how ``Tensor.to`` / ``Module.to`` parse their arguments (device,
+#: dtype, non_blocking, memory_format). Why: the tests' collective recorder follows where a CUDA run
+#: would hold each tensor, and recognises this call among the functions its mode intercepts.
+#: Since: 2.4 (far older). Public: none (``Tensor.to`` parses its arguments in C++).
+parse_to = torch._C._nn._parse_to
 
-    Why: the collective recorder of the tests follows where a CUDA run would hold each tensor.
-    Since: 2.4 (far older). Public: none (``Tensor.to`` parses its arguments in C++).
-    """
-    return torch._C._nn._parse_to(*args, **kwargs)[0]
+
+def parse_to_device(*args: Any, **kwargs: Any) -> torch.device | None:
+    """The device a ``Tensor.to(*args, **kwargs)`` call moves to (:data:`parse_to`), or None."""
+    return parse_to(*args, **kwargs)[0]
 
 
 def resolve_process_group(name: str) -> Any:
@@ -258,6 +261,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
     PrivateApi("schedule_stages", "torch.distributed.pipelining.schedules:PipelineScheduleSingle", "2.4", "none yet"),
     PrivateApi("local_tensor", "torch.distributed.tensor:DTensor._local_tensor", "2.5", "DTensor.to_local()"),
     PrivateApi("functional_collectives", "torch.distributed._functional_collectives:all_reduce", "2.4", "none yet"),
+    PrivateApi("parse_to", "torch:_C._nn._parse_to", "2.4", "none"),
     PrivateApi("parse_to_device", "torch:_C._nn._parse_to", "2.4", "none"),
     PrivateApi("resolve_process_group", "torch.distributed.distributed_c10d:_resolve_process_group", "2.4", "none yet"),
 )
@@ -275,5 +279,5 @@ __all__ = [
     "PipelineScheduleRuntime", "PrivateApi", "StridedShard", "TreeSpec", "assert_tensor_metadata_op",
     "checkpoint_module", "compute_local_shape_and_global_offset", "ddp_ignore", "device_constructors",
     "flatten_mesh", "foreach_norm", "functional_collectives", "local_tensor", "modify_graph_op_device",
-    "parse_to_device", "resolve_process_group", "run_generated_code", "schedule_stages", "tree_flatten", "tree_leaves", "tree_map", "tree_unflatten", "unflatten_mesh",
+    "parse_to", "parse_to_device", "resolve_process_group", "run_generated_code", "schedule_stages", "tree_flatten", "tree_leaves", "tree_map", "tree_unflatten", "unflatten_mesh",
 ]

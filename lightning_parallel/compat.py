@@ -208,6 +208,15 @@ def resolve_process_group(name: str) -> Any:
     return distributed_c10d._resolve_process_group(name)
 
 
+def multihead_attention_init(module: nn.MultiheadAttention) -> Any:
+    """``nn.MultiheadAttention._reset_parameters``: the module's own initialisation, as a callable.
+
+    Why: a meta-built model is initialised module by module after allocation; MultiheadAttention
+    has no public ``reset_parameters``. Since: 2.4 (far older). Public: none yet.
+    """
+    return module._reset_parameters
+
+
 @dataclass(frozen=True)
 class PrivateApi:
     """One private torch name the package uses: where it lives and what to move to."""
@@ -261,6 +270,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
     PrivateApi("schedule_stages", "torch.distributed.pipelining.schedules:PipelineScheduleSingle", "2.4", "none yet"),
     PrivateApi("local_tensor", "torch.distributed.tensor:DTensor._local_tensor", "2.5", "DTensor.to_local()"),
     PrivateApi("functional_collectives", "torch.distributed._functional_collectives:all_reduce", "2.4", "none yet"),
+    PrivateApi("multihead_attention_init", "torch.nn:MultiheadAttention._reset_parameters", "2.4", "none yet"),
     PrivateApi("parse_to", "torch:_C._nn._parse_to", "2.4", "none"),
     PrivateApi("parse_to_device", "torch:_C._nn._parse_to", "2.4", "none"),
     PrivateApi("resolve_process_group", "torch.distributed.distributed_c10d:_resolve_process_group", "2.4", "none yet"),
@@ -271,7 +281,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
 PRIVATE_ATTRIBUTES = frozenset({"_flatten", "_unflatten", "_set_params_and_buffers_to_ignore_for_model",
                                 "_run_with_interpreter", "_foreach_norm", "_local_tensor",
                                 "_assert_tensor_metadata", "_stages", "_stage", "_parse_to",
-                                "_resolve_process_group"})
+                                "_resolve_process_group", "_reset_parameters"})
 
 __all__ = [
     "PRIVATE_APIS", "PRIVATE_ATTRIBUTES", "TORCH_LOWER_BOUND", "AsyncCollectiveTensor", "BatchNormBase",
@@ -279,5 +289,6 @@ __all__ = [
     "PipelineScheduleRuntime", "PrivateApi", "StridedShard", "TreeSpec", "assert_tensor_metadata_op",
     "checkpoint_module", "compute_local_shape_and_global_offset", "ddp_ignore", "device_constructors",
     "flatten_mesh", "foreach_norm", "functional_collectives", "local_tensor", "modify_graph_op_device",
-    "parse_to", "parse_to_device", "resolve_process_group", "run_generated_code", "schedule_stages", "tree_flatten", "tree_leaves", "tree_map", "tree_unflatten", "unflatten_mesh",
+    "multihead_attention_init", "parse_to", "parse_to_device", "resolve_process_group", "run_generated_code",
+    "schedule_stages", "tree_flatten", "tree_leaves", "tree_map", "tree_unflatten", "unflatten_mesh",
 ]

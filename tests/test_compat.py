@@ -123,6 +123,67 @@ def test_no_module_uses_private_torch_or_lightning_names_directly() -> None:
     )
 
 
+# Private attributes read on objects of other libraries that are NOT routed through compat, by
+# judgement (see the compat module's docstring). Anything else private read on a foreign object
+# must be defined by the package itself or be wrapped in compat.
+NN_MODULE_CONTRACT = {"_parameters", "_buffers", "_modules", "_apply"}
+OTHER_LIBRARIES = {
+    "_gradient_checkpointing_func", "_is_hf_initialized", "_initialize_weights", "_pp_plan", "_tp_plan",  # transformers
+    "_defaults", "_forward_cache", "_update_count", "_computed",  # torchmetrics.Metric
+    "_has_ops",  # torchvision.extension
+    "_exit", "_getframe",  # os, sys
+}
+
+
+def _own_private_names(tree: ast.AST) -> set[str]:
+    """Private names the package defines itself: defs, classes, assignments, setattr/dict keys."""
+    own: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            own.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            own.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            own.add(node.id)
+        elif isinstance(node, ast.Call) and len(node.args) > 1 and isinstance(node.args[1], ast.Constant):
+            name = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", "")
+            if name in {"setattr", "__setattr__"}:
+                own.add(str(node.args[1].value))
+        elif isinstance(node, ast.Dict):
+            own.update(k.value for k in node.keys if isinstance(k, ast.Constant) and isinstance(k.value, str))
+    return own
+
+
+def _foreign_private_reads(tree: ast.AST) -> dict[str, int]:
+    """Private attribute name -> a line, for ``x._name`` / ``getattr(x, "_name")`` on objects not ``self``."""
+    reads: dict[str, int] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _private(node.attr) and not _receiver_is_own(node.value):
+            reads.setdefault(node.attr, node.lineno)
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in {"getattr", "hasattr"}
+              and len(node.args) > 1 and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)
+              and _private(node.args[1].value)):
+            reads.setdefault(node.args[1].value, node.lineno)
+    return reads
+
+
+def test_no_module_reads_an_unlisted_private_attribute_of_another_library() -> None:
+    """A private attribute of a torch/Lightning object read anywhere but compat (``mesh._foo``,
+    ``getattr(stage, "_bar")``) fails here unless the package defines that name itself."""
+    trees = {path: ast.parse(path.read_text()) for path in sorted(PACKAGE.rglob("*.py")) if path not in COMPAT_FILES}
+    own = set().union(*(_own_private_names(tree) for tree in trees.values()))
+    allowed = own | NN_MODULE_CONTRACT | OTHER_LIBRARIES
+    offenders = [f"{path.relative_to(PACKAGE.parent)}:{line}: .{name}"
+                 for path, tree in trees.items() for name, line in _foreign_private_reads(tree).items()
+                 if name not in allowed or name in PRIVATE_ATTRIBUTES]
+    assert not offenders, "private attributes of other libraries read outside compat (wrap them there):\n" + "\n".join(offenders)
+
+
+def test_foreign_private_read_detection_can_fail() -> None:
+    tree = ast.parse("mesh._get_root_mesh()\ngetattr(stage, '_stage_meta')\nself._mine = 1\nx._mine\nsuper()._hook()")
+    assert set(_foreign_private_reads(tree)) - _own_private_names(tree) == {"_get_root_mesh", "_stage_meta"}
+
+
 def _resolve(target: str) -> object:
     module_name, _, attrs = target.partition(":")
     obj: object = importlib.import_module(module_name)
@@ -168,7 +229,8 @@ def test_pyproject_pins_match_the_compat_bounds_and_the_installed_versions() -> 
     import lightning
 
     pyproject = PACKAGE.parent / "pyproject.toml"
-    deps = {d.split(">")[0].split("<")[0].strip(): d for d in tomllib.loads(pyproject.read_text())["project"]["dependencies"]}
+    dependencies = tomllib.loads(pyproject.read_text())["project"]["dependencies"]
+    deps = {d.split(">")[0].split("<")[0].strip(): d for d in dependencies}
     for name, module, lower_bound in (("torch", torch, compat.TORCH_LOWER_BOUND),
                                       ("lightning", lightning, compat_lightning.LIGHTNING_LOWER_BOUND)):
         lower, upper = _bounds(deps[name])

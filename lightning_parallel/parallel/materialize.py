@@ -51,7 +51,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from lightning_parallel.compat import DeviceContext, device_constructors
+from lightning_parallel.compat import DeviceContext, device_constructors, multihead_attention_init
 from lightning_parallel.parallel.errors import config_error
 
 _UNWRITTEN = "never initialised"
@@ -257,7 +257,7 @@ class _Materializer:
         kind = type(module).__name__
         reset = _callable_without_args(module, "reset_parameters")
         if isinstance(module, nn.MultiheadAttention):  # torch's own init is private here
-            reset = module._reset_parameters
+            reset = multihead_attention_init(module)
         if (constructor := _CONSTRUCTOR_INITS.get(f"{type(module).__module__}.{type(module).__qualname__}")) is not None:
             reset = lambda: constructor(module)  # noqa: E731
         if reset is not None:

@@ -87,18 +87,26 @@ class NonFiniteGuard:
         """Check, agree over the world, then raise (``error``), drop the gradients and return
         False (``skip``), or return True for a finite step. Every rank calls it at every step."""
         params = list(params)
-        names = {id(p): n for n, p in module.named_parameters()}
-        named = [(names.get(id(p), f"<parameter {i} of the optimizer>"), p) for i, p in enumerate(params)
-                 if p.grad is not None and _local(p.grad).numel() > 0]
-        norms = foreach_norm([_local(p.grad) for _, p in named]) if named else []
-        loss_bad = isinstance(loss, Tensor) and loss.numel() > 0 and not bool(torch.isfinite(loss.detach()).all())
-        bad_index = _first_bad(named, norms)
-        flag = torch.tensor([float(loss_bad or bad_index >= 0)], device=device)
+        with_grad = [p for p in params if p.grad is not None and _local(p.grad).numel() > 0]
+        norms = foreach_norm([_local(p.grad) for p in with_grad]) if with_grad else []
+        # The verdict stays a tensor until the one read after the all-reduce: one host-device sync per
+        # step, not one per parameter (a per-norm ``bool()`` would stall a GPU ~100 times a step).
+        flag = torch.zeros(1, device=device)
+        if norms:
+            flag = torch.logical_not(torch.isfinite(torch.stack([n.to(device) for n in norms]))).any().float().reshape(1)
+        if isinstance(loss, Tensor) and loss.numel() > 0:
+            flag = torch.maximum(flag, torch.logical_not(torch.isfinite(loss.detach())).any().float().to(device).reshape(1))
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if float(flag) == 0.0:
             self.consecutive_skips = 0
             return True
+        # Failure path only: names, and which parameter (or the loss) it was
+        names = {id(p): n for n, p in module.named_parameters()}
+        index = {id(p): i for i, p in enumerate(params)}
+        named = [(names.get(id(p), f"<parameter {index[id(p)]} of the optimizer>"), p) for p in with_grad]
+        loss_bad = isinstance(loss, Tensor) and loss.numel() > 0 and not bool(torch.isfinite(loss.detach()).all())
+        bad_index = _first_bad(named, norms)
         what = self._describe(module, named, bad_index, loss_bad)
         if self.mode == "error":
             raise NonFiniteError(

@@ -3,8 +3,8 @@
 The planner itself (:mod:`lightning_parallel.parallel.planner`) is pure torch; this is the Lightning
 side: which hardware profile the accelerator is, the compute dtype the Trainer's precision
 means, the options the user fixed, and the engine's own rules (a layout the strategy would refuse,
-e.g. ZeRO-1 with tensor parallelism or activation checkpointing inside pipeline stages, is
-rejected with the strategy's own message, not chosen and then refused).
+e.g. ``compile_blocks`` with tensor or pipeline parallelism, or a Trainer precision pipelines do
+not run, is rejected with the strategy's own message, not chosen and then refused).
 """
 
 from __future__ import annotations

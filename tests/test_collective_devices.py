@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import pytest
 import torch
 
 from lightning_parallel.testing import run_distributed
@@ -57,6 +58,14 @@ class SimulationProbe(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         _SEEN_MODULE_DEVICES.append(str(pl_module.device))
 
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        # What callbacks and modules call on the strategy: a Python number logged with sync_dist
+        # (Lightning makes it a tensor on pl_module.device), a decision (ModelCheckpoint,
+        # EarlyStopping), an all_gather (self.all_gather in a module).
+        pl_module.log("probe_number", 1.0, sync_dist=True)
+        trainer.strategy.reduce_boolean_decision(True)
+        pl_module.all_gather(torch.ones(2, device=pl_module.device))
+
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         from lightning_parallel.testing.collective_recorder import mark_cpu
 
@@ -66,10 +75,12 @@ class SimulationProbe(pl.Callback):
                     mark_cpu(param.grad)
 
 
-def _recorded_fits(cases: list[tuple[str, FitSpec]]) -> list[dict[str, Any]]:
-    """Spawned worker: each fit under a fresh recorder; what was recorded, per fit."""
+def _recorded_fits(cases: list[tuple[str, FitSpec]], injected: bool = False) -> dict[str, Any]:
+    """Spawned worker: the injected cases (``injected``), then each fit under a fresh recorder;
+    what was recorded, per fit."""
     from lightning_parallel.testing.collective_recorder import simulate_cuda_devices
 
+    flagged = _injected_cases() if injected else {}
     out = []
     for label, spec in cases:
         _SEEN_MODULE_DEVICES.clear()
@@ -84,14 +95,17 @@ def _recorded_fits(cases: list[tuple[str, FitSpec]]) -> list[dict[str, Any]]:
             "module_devices": list(_SEEN_MODULE_DEVICES),
             "calls": [dataclasses.asdict(call) | {"violation": call.violation} for call in recorder.calls],
         })
-    return out
+    return {"injected": flagged, "fits": out}
 
 
-def _run(cases: list[tuple[str, FitSpec]], devices: int, timeout: float) -> dict[str, list[dict[str, Any]]]:
-    results = run_distributed(_recorded_fits, devices, cases, init_backend=None, timeout=timeout)
+def _run(cases: list[tuple[str, FitSpec]], devices: int, timeout: float, injected: bool = False) -> dict[str, Any]:
+    """Spawn, fit, check every fit on every rank; the fits by label (a list per rank) and the
+    injected cases' flags (True where any rank's recorder flagged the case)."""
+    results = run_distributed(_recorded_fits, devices, cases, injected, init_backend=None, timeout=timeout)
+    flagged = {label: any(r["injected"][label] for r in results) for label in results[0]["injected"]}
     by_label: dict[str, list[dict[str, Any]]] = {}
     for per_rank in results:
-        for fit in per_rank:
+        for fit in per_rank["fits"]:
             by_label.setdefault(fit["label"], []).append(fit)
     for label, spec in cases:
         for rank, fit in enumerate(by_label[label]):
@@ -101,24 +115,24 @@ def _run(cases: list[tuple[str, FitSpec]], devices: int, timeout: float) -> dict
             assert fit["global_step"] == spec.max_steps, (label, fit["global_step"])
             assert fit["losses"] and all(torch.isfinite(torch.tensor(fit["losses"]))), label
             assert fit["module_devices"] == ["cpu:0"], f"{label}: pl_module.device is {fit['module_devices']}, not the root device"
-    return by_label
+    return {"fits": by_label, "injected": flagged}
 
 
-def _sites(fits: list[dict[str, Any]], direct: bool = True) -> set[str]:
-    """``file:function`` of every recorded call site (line numbers dropped: they move with edits)."""
+def _sites(fits: list[dict[str, Any]]) -> set[str]:
+    """``file:function`` of every recorded call site, the innermost lightning_parallel frame of each
+    collective (line numbers dropped: they move with edits)."""
     out = set()
     for fit in fits:
         for call in fit["calls"]:
-            if call["direct"] == direct or not direct:
-                path_line, _, function = call["site"].partition(" ")
-                out.add(f"{path_line.rsplit(':', 1)[0]}:{function}")
+            path_line, _, function = call["site"].partition(" ")
+            out.add(f"{path_line.rsplit(':', 1)[0]}:{function}")
     return out
 
 
 # ---------------------------------------------------------------- the recorder catches wrong devices
-def _injected_cases(_: Any) -> dict[str, bool]:
-    """Spawned worker (2 ranks, no Trainer): tensors made here, in scope like package code, handed
-    to collectives under a simulated NCCL world; each label -> whether the recorder flagged it."""
+def _injected_cases() -> dict[str, bool]:
+    """In a spawned rank (2 ranks, before the fits): tensors made here, in scope like package code,
+    handed to collectives under a simulated NCCL world; each label -> whether the recorder flagged it."""
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
     from torch.distributed.device_mesh import init_device_mesh
@@ -181,15 +195,26 @@ def _injected_cases(_: Any) -> dict[str, bool]:
     return flagged
 
 
-def test_recorder_flags_cpu_tensors_on_an_nccl_group() -> None:
-    per_rank = run_distributed(_injected_cases, 2, None, init_backend=None, timeout=120)
-    flagged = {label: any(rank[label] for rank in per_rank) for label in per_rank[0]}
+@pytest.fixture(scope="module")
+def two_rank_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One 2-rank spawn for the injected cases and every 2-rank fit (start-up paid once)."""
+    return _run(_two_rank_cases(tmp_path_factory.mktemp("collectives")), 2, timeout=500, injected=True)
+
+
+def test_recorder_flags_cpu_tensors_on_an_nccl_group(two_rank_run: dict[str, Any]) -> None:
+    flagged = two_rank_run["injected"]
     wrong = {label: value for label, value in flagged.items() if value != (label.startswith("nccl ") and " ok: " not in label)}
     assert not wrong, f"flagged where it should not be (True) / missed (False): {wrong}"
     assert sum(flagged.values()) == 11  # 8 CPU-made tensors, a CPU shard, funcol, offloaded clip: all under nccl only
 
 
 # ---------------------------------------------------------------- every strategy, one short fit each
+TIED_LLAMA = dataclasses.replace(
+    GPT, model="lightning_parallel.testing.real_models:HFCausalLM",
+    model_kwargs={"family": "llama", "n_layer": 2, "config": {"tie_word_embeddings": True}},
+)
+
+
 def _two_rank_cases(tmp: Path) -> list[tuple[str, FitSpec]]:
     pp = _hybrid(pipeline_parallel_size=2, pipeline_schedule="1f1b", microbatches=2)
     return [
@@ -200,36 +225,52 @@ def _two_rank_cases(tmp: Path) -> list[tuple[str, FitSpec]]:
         ("zero3 save", dataclasses.replace(GPT, strategy=_hybrid(zero_stage=3), devices=2, save_to=str(tmp / "zero3.ckpt"))),
         ("zero3 resume", dataclasses.replace(GPT, strategy=_hybrid(zero_stage=3), devices=2, max_steps=3,
                                              resume_from=str(tmp / "zero3.ckpt"))),
-        ("tp", dataclasses.replace(GPT, strategy=_hybrid(tensor_parallel_size=2), devices=2)),
+        ("tp loss_parallel", dataclasses.replace(GPT, strategy=_hybrid(tensor_parallel_size=2, loss_parallel=True), devices=2)),
         ("ep", dataclasses.replace(MOE, strategy=_hybrid(expert_parallel_size=2), devices=2)),
         ("pp save", dataclasses.replace(GPT, strategy=pp, devices=2, save_to=str(tmp / "pp.ckpt"))),
         ("pp resume", dataclasses.replace(GPT, strategy=pp, devices=2, max_steps=3, resume_from=str(tmp / "pp.ckpt"))),
+        ("pp tied llama", dataclasses.replace(TIED_LLAMA, strategy=pp, devices=2)),  # embedding and head on two stages
     ]
 
 
-def test_two_rank_strategies_hand_collectives_tensors_on_their_device(tmp_path: Path) -> None:
-    fits = _run(_two_rank_cases(tmp_path), 2, timeout=400)
+TWO_RANK_SITES = {
+    "parallel/clip.py:total_norm",  # sharded (zero2/3, tp, ep) and pipeline global norms
+    "parallel/pipeline.py:train_step",  # step-loss broadcast
+    "parallel/pipeline.py:_sum_shared_grads",  # tied embedding / head gradients across stages
+    "parallel/expert_parallel.py:__call__", "parallel/expert_parallel.py:forward", "parallel/expert_parallel.py:backward",
+    "nn/moe.py:_statistics",
+    "strategies/nonfinite.py:step_is_finite",
+    "strategies/hybrid.py:reduce", "strategies/hybrid.py:all_gather", "strategies/hybrid.py:reduce_boolean_decision",
+    "strategies/hybrid.py:barrier", "strategies/hybrid.py:broadcast",
+    "strategies/checkpoint.py:begin_sharded_save", "strategies/checkpoint.py:save_sharded",
+    "strategies/resume.py:gather_rng_states",
+    "strategies/pipeline_driver.py:_build", "strategies/pipeline_driver.py:_broadcast",
+    "strategies/pipeline_driver.py:gather_state",
+}
+"""Call sites in lightning_parallel the 2-rank fits must reach (``docs/collectives.md`` lists all)."""
+
+
+def test_two_rank_strategies_hand_collectives_tensors_on_their_device(two_rank_run: dict[str, Any]) -> None:
+    fits = two_rank_run["fits"]
     assert fits["zero3 cpu_offload"][0]["backend"] == "cuda:nccl,cpu:gloo"
     assert fits["dp"][0]["backend"] == "nccl"
     offload = [c for c in fits["zero3 cpu_offload"][0]["calls"] if c["site"].startswith("parallel/clip.py")]
     assert offload and all(set(c["devices"]) == {"cpu"} for c in offload), "offloaded gradients reach the clipping as CPU tensors"
     reached = _sites([fit for per_rank in fits.values() for fit in per_rank])
-    expected = {
-        "parallel/clip.py:total_norm",  # sharded (zero2/3, tp) and pipeline global norms
-        "parallel/pipeline.py:train_step",  # step-loss broadcast
-        "parallel/expert_parallel.py:forward",  # token all-to-all
-        "strategies/nonfinite.py:step_is_finite",
-        "strategies/hybrid.py:barrier", "strategies/hybrid.py:broadcast",
-        "strategies/pipeline_driver.py:gather_state",
-    }
-    assert expected <= reached, f"call sites not reached: {sorted(expected - reached)}; reached: {sorted(reached)}"
+    assert TWO_RANK_SITES <= reached, f"call sites not reached: {sorted(TWO_RANK_SITES - reached)}; reached: {sorted(reached)}"
 
 
 def test_four_rank_hsdp_and_3d_hand_collectives_tensors_on_their_device() -> None:
     cases = [
         ("hsdp", dataclasses.replace(GPT, strategy=_hybrid(zero_stage=3, hybrid_shard=True, data_parallel_replicate_size=2),
                                      devices=4)),
-        ("3d pp2 x tp2", dataclasses.replace(GPT, strategy=_hybrid(pipeline_parallel_size=2, tensor_parallel_size=2), devices=4)),
+        ("pp2 x tp2", dataclasses.replace(GPT, strategy=_hybrid(pipeline_parallel_size=2, tensor_parallel_size=2), devices=4)),
+        ("dp2 x pp2", dataclasses.replace(GPT, strategy=_hybrid(pipeline_parallel_size=2, data_parallel_size=2), devices=4)),
+        ("ep2 x edp2", dataclasses.replace(MOE, strategy=_hybrid(expert_parallel_size=2), devices=4)),
     ]
-    fits = _run(cases, 4, timeout=400)
-    assert any(c["ranks"] and len(c["ranks"]) == 2 for c in fits["hsdp"][0]["calls"]), "hsdp's sub-groups are recorded"
+    fits = _run(cases, 4, timeout=500)["fits"]
+    assert any(len(c["ranks"]) == 2 for c in fits["hsdp"][0]["calls"]), "hsdp's sub-groups are recorded"
+    reached = _sites([fit for per_rank in fits.values() for fit in per_rank])
+    expected = {"strategies/pipeline_driver.py:_average_over_data_parallel", "strategies/experts.py:reduce_expert_grads",
+                "parallel/pipeline_tp.py:_reduced"}
+    assert expected <= reached, f"call sites not reached: {sorted(expected - reached)}"

@@ -53,6 +53,7 @@ from torch.overrides import TorchFunctionMode
 from lightning_parallel.compat import (
     functional_collectives as funcol,
     local_tensor,
+    parse_to,
     parse_to_device,
     resolve_process_group,
 )
@@ -66,6 +67,9 @@ _TESTING = os.path.join(_PACKAGE, "testing") + os.sep
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _DEVICE_GETTER = torch.Tensor.device.__get__
 _CPU = torch.device("cpu")
+_KEEP_ROOT = (parse_to, torch.device)
+"""Functions that see ROOT itself: a device built from ROOT, and ``parse_to`` (Lightning reads a
+module's device from it); every other torch call gets the plain CPU in its place."""
 
 C10D_COLLECTIVES: tuple[str, ...] = (
     "all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_coalesced", "all_gather_into_tensor",
@@ -103,15 +107,22 @@ def would_be_cpu(tensor: torch.Tensor) -> bool:
     return isinstance(local, torch.Tensor) and bool(getattr(local, MARK, False))
 
 
-def _caller_file(depth: int = 2) -> str:
-    """File of the first frame outside torch above the caller (torch's Python wrappers such as
-    ``Tensor.__add__`` or ``F.cross_entropy`` sit between the user and the mode)."""
-    frame = sys._getframe(depth)
-    for _ in range(8):
+_WRAPPERS = tuple(os.path.join(_TORCH, *f.split("/")) for f in (
+    "_tensor.py", "overrides.py", "functional.py", "nn/functional.py", "_jit_internal.py", "_ops.py", "utils/_device.py",
+    "fx/experimental/proxy_tensor.py", "_export/non_strict_utils.py",
+))
+"""torch's Python wrappers between a caller and the mode (``Tensor.__add__``, ``F.cross_entropy``,
+``handle_torch_function``, other modes' handlers): the caller is the frame above them."""
+
+
+def _caller_file() -> str:
+    """File of the code that called the torch function the mode is handling."""
+    frame = sys._getframe(1)
+    for _ in range(16):
         if frame is None:
             return ""
         name = frame.f_code.co_filename
-        if not name.startswith(_TORCH):
+        if name != __file__ and name not in _WRAPPERS:
             return name
         frame = frame.f_back
     return ""
@@ -148,16 +159,26 @@ class DeviceTaintMode(TorchFunctionMode):
             if device.type == "cpu" and self.in_scope(_caller_file()):
                 return _CPU if would_be_cpu(args[0]) else ROOT
             return device
+        if func not in _KEEP_ROOT and any(a == ROOT for a in (*args, *kwargs.values()) if isinstance(a, torch.device)):
+            # the real call gets the plain CPU: ``.to(cpu:0)`` would copy a CPU tensor (and untie
+            # tied weights) where the simulated CUDA move to the device it is on is a no-op
+            args = tuple(_CPU if isinstance(a, torch.device) and a == ROOT else a for a in args)
+            kwargs = {k: _CPU if isinstance(v, torch.device) and v == ROOT else v for k, v in kwargs.items()}
+            root_move = True
+        else:
+            root_move = False
         out = func(*args, **kwargs)
         outs = [out] if isinstance(out, torch.Tensor) else _tensors([out]) if isinstance(out, (list, tuple)) else []
         if not outs:
             return out
         inputs = _tensors(args) + _tensors(kwargs.values())
-        cpu = self._result_is_cpu(func, args, kwargs, inputs)
+        cpu = False if root_move and ("device" in kwargs or _is_move(func)) else self._result_is_cpu(func, args, kwargs, inputs)
         if cpu is None:
             return out
         if any(o is i for o in outs for i in inputs):
             if _is_move(func) and args and out is args[0] and would_be_cpu(out) != cpu:
+                if isinstance(out, torch.nn.Parameter):
+                    return out  # Module.to swaps .data in place: a copy would untie tied weights
                 out = out.clone()  # a CUDA move copies; a no-op move here would re-mark its source
             else:
                 return out  # in place: the tensor stays where it is
@@ -184,7 +205,7 @@ class DeviceTaintMode(TorchFunctionMode):
             if cpu is not None:
                 return cpu
         if not inputs:  # a factory with no device: the default device, the CPU on CUDA too
-            return True if self.in_scope(_caller_file(3)) and torch.get_default_device().type == "cpu" else None
+            return True if self.in_scope(_caller_file()) and torch.get_default_device().type == "cpu" else None
         return all(would_be_cpu(t) for t in inputs)
 
     def _device_is_cpu(self, device: Any) -> bool | None:
@@ -195,10 +216,10 @@ class DeviceTaintMode(TorchFunctionMode):
         except (TypeError, RuntimeError):
             return None
         if device.type != "cpu":
-            return None
+            return False  # meta (or an accelerator): not a host tensor
         if device.index is not None:
             return False  # ROOT: the simulated GPU
-        return True if self.in_scope(_caller_file(4)) else None  # torch's "cpu" is a mesh's device_type
+        return True if self.in_scope(_caller_file()) else None  # torch's "cpu" is a mesh's device_type
 
 
 def _is_move(func: Any) -> bool:

@@ -22,7 +22,7 @@ from lightning_parallel.parallel.planner_cost import _ring
 RAW = {  # seconds, the shape of measure_on_ranks' answer (figures of this machine's order)
     "all_reduce_small": 0.4e-3, "all_gather_small": 0.3e-3, "reduce_scatter_small": 0.35e-3,
     "all_reduce_large": 4.0e-3, "all_gather_large": 7.0e-3, "reduce_scatter_large": 5.0e-3,
-    "fsdp_unit": {2: 2.0e-3, 3: 3.0e-3}, "tp_pair": 5.0e-3, "overlap": 0.25, "world": 2,
+    "fsdp_unit": {2: 2.0e-3, 3: 3.0e-3}, "tp_pair": 5.0e-3, "overlap": 0.25, "world": 2, "broadcast_stream": 0.05e-3,
 }
 
 
@@ -43,6 +43,7 @@ def test_derive_inverts_the_ring_formula() -> None:
     assert d["fsdp_unit_overhead"] == pytest.approx({2: 2.0e-3 - 2 * 0.3e-3, 3: 3.0e-3 - 3 * 0.3e-3})
     assert d["tp_pair_overhead"] == pytest.approx(5.0e-3 - 2 * 0.4e-3)
     assert d["comm_overlap"] == 0.25
+    assert d["pipelined_latency"] == 0.05e-3
 
 
 def _step_times(profile: object) -> dict[str, float]:
@@ -88,3 +89,4 @@ def test_a_real_calibration_on_two_ranks() -> None:
     assert all(v > 0 for v in d["collective_scale"].values())
     assert set(d["fsdp_unit_overhead"]) == {2, 3} and all(v >= 0 for v in d["fsdp_unit_overhead"].values())
     assert d["tp_pair_overhead"] >= 0 and 0.0 <= d["comm_overlap"] <= 1.0
+    assert 0 < d["pipelined_latency"] <= d["intra_latency"]

@@ -19,7 +19,9 @@ small inputs chosen so that the effect measured dominates:
   the same stack unwrapped;
 * per column+row parallel pair (the unit of the tensor-parallel plan, two per transformer block),
   the time beyond its two all-reduces, against the same two ``Linear`` layers unwrapped;
-* the fraction of an asynchronous all-reduce that hides under a concurrent matmul.
+* the fraction of an asynchronous all-reduce that hides under a concurrent matmul;
+* the cost of one small broadcast in a stream of asynchronous ones (ZeRO-1 broadcasts every
+  parameter that way: measured about a third of a lone collective's latency here).
 
 These are measurements of primitives, never of the layouts the benchmark then ranks: fitting the
 model to the layouts it is judged on would prove nothing. The strategy never calls this (ranks
@@ -37,6 +39,7 @@ from torch import nn
 
 SMALL_BYTES = 4096
 LARGE_BYTES = 4 * 1024 * 1024
+STREAM = 32  # asynchronous broadcasts in the pipelined-latency measurement
 
 
 def _best_pair(first: Callable[[], Any], second: Callable[[], Any], repeats: int,
@@ -85,6 +88,16 @@ def _collective_times(repeats: int) -> dict[str, float]:
         out[f"all_reduce_{label}"] = _best_time(lambda: dist.all_reduce(x), repeats, dist.barrier)
         out[f"all_gather_{label}"] = _best_time(lambda: dist.all_gather_into_tensor(gathered, x), repeats, dist.barrier)
         out[f"reduce_scatter_{label}"] = _best_time(lambda: dist.reduce_scatter_tensor(scattered, x), repeats, dist.barrier)
+    # Many small broadcasts issued asynchronously, then waited on together (what ZeRO-1's
+    # ZeroRedundancyOptimizer does once per parameter): the cost of one in such a stream.
+    tensors = [torch.ones(SMALL_BYTES // 4) for _ in range(STREAM)]
+
+    def stream() -> None:
+        works = [dist.broadcast(t, src=i % world, async_op=True) for i, t in enumerate(tensors)]
+        for work in works:
+            work.wait()
+
+    out["broadcast_stream"] = _best_time(stream, repeats, dist.barrier) / STREAM
     return out
 
 
@@ -214,6 +227,7 @@ def derive(measured: dict[str, Any]) -> dict[str, Any]:
         },
         "fsdp_unit_overhead": fsdp,
         "tp_pair_overhead": max(0.0, measured["tp_pair"] - 2 * measured["all_reduce_small"]),
+        "pipelined_latency": min(latency, measured["broadcast_stream"]),
         "comm_overlap": float(measured["overlap"]),
     }
 

@@ -321,8 +321,10 @@ def predict(facts: ModelFacts, layout: Layout, shares: list[RankShare], work: Wo
         dp_comm = _ring(grad_msg, L.dp, dp_link) + (buckets - 1) * 2 * math.ceil(math.log2(max(1, L.dp))) * dp_link[1]
         if L.zero_stage == 1 and L.dp > 1:
             dp_comm += _ring(params * work.param_dtype_bytes, L.dp, dp_link, factor=1.0, scale=ag_scale)  # updated shards re-gathered
-            # ... one broadcast per parameter tensor (torch's ZeroRedundancyOptimizer without bucket views)
-            dp_comm += facts.param_tensors / L.pp * math.ceil(math.log2(L.dp)) * dp_link[1]
+            # ... one broadcast per parameter tensor (torch's ZeroRedundancyOptimizer without bucket views),
+            # issued asynchronously and waited on together: each costs a pipelined latency
+            stream = hw.pipelined_latency if hw.pipelined_latency and L.tp * L.dp <= dpn else dp_link[1]
+            dp_comm += facts.param_tensors / L.pp * math.ceil(math.log2(L.dp)) * stream
     else:
         gathers = 2 * m if L.zero_stage == 3 else 1
         dp_comm = _ring(grad_msg, L.dp_shard, shard_link, factor=1.0, scale=rs_scale)

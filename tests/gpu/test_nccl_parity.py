@@ -16,22 +16,15 @@ import torch
 
 from lightning_parallel.testing import run_distributed
 from lightning_parallel.testing.parity import FitSpec, run_fit, run_fits
+from tests.test_data_parallel import HYBRID
+from tests.test_strategy_ep import MOE_SPEC
+from tests.test_strategy_tp import GPT_SPEC
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
-HYBRID = "lightning_parallel:HybridParallelStrategy"
-GPT = FitSpec(
-    model="lightning_parallel.models:GPT",
-    model_kwargs={"vocab_size": 64, "block_size": 16, "n_layer": 4, "n_head": 4, "n_embd": 32, "lr": 0.5},
-    data="lightning_parallel.testing.parity:token_data",
-    global_batch=8,
-    max_steps=5,
-    trainer_kwargs={"gradient_clip_val": 0.5, "accelerator": "cuda"},
-)
-MOE = dataclasses.replace(
-    GPT, model="lightning_parallel.models:MoEGPT",
-    model_kwargs={**GPT.model_kwargs, "num_experts": 4, "top_k": 2, "aux_loss_coef": 0.1, "z_loss_coef": 0.01},
-    strategy={"class": HYBRID},
-)
+CUDA = {"accelerator": "cuda"}
+# The CPU suite's specs (same models, data, clipping), on CUDA
+GPT = dataclasses.replace(GPT_SPEC, trainer_kwargs={**GPT_SPEC.trainer_kwargs, **CUDA})
+MOE = dataclasses.replace(MOE_SPEC, trainer_kwargs={**MOE_SPEC.trainer_kwargs, **CUDA})
 TWO_GPU: list[tuple[str, FitSpec]] = [
     (name, dataclasses.replace(GPT, strategy=name, devices=2)) for name in ("dp", "zero1", "zero2", "zero3", "zero3_offload", "tp", "pp")
 ] + [("ep2", dataclasses.replace(MOE, strategy={"class": HYBRID, "expert_parallel_size": 2}, devices=2))]

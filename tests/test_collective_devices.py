@@ -208,6 +208,18 @@ def test_recorder_flags_cpu_tensors_on_an_nccl_group(two_rank_run: dict[str, Any
     assert sum(flagged.values()) == 11  # 8 CPU-made tensors, a CPU shard, funcol, offloaded clip: all under nccl only
 
 
+def test_cpu_offload_refuses_a_backend_without_cpu_before_any_collective() -> None:
+    from lightning_parallel.strategies.process_group import check_backend, default_backend
+
+    cuda = torch.device("cuda", 0)
+    with pytest.raises(ValueError, match=r"process_group_backend.*'nccl'.*NCCL rejects CPU tensors.*cuda:nccl,cpu:gloo"):
+        check_backend("nccl", cuda, cpu_offload=True)
+    check_backend(default_backend(cuda, cpu_offload=True), cuda, cpu_offload=True)  # the default pair passes
+    check_backend("nccl", cuda, cpu_offload=False)
+    check_backend("gloo", torch.device("cpu"), cpu_offload=True)
+    assert default_backend(cuda, cpu_offload=True) == "cuda:nccl,cpu:gloo" and default_backend(cuda, cpu_offload=False) == "nccl"
+
+
 # ---------------------------------------------------------------- every strategy, one short fit each
 TIED_LLAMA = dataclasses.replace(
     GPT, model="lightning_parallel.testing.real_models:HFCausalLM",
@@ -217,6 +229,8 @@ TIED_LLAMA = dataclasses.replace(
 
 def _two_rank_cases(tmp: Path) -> list[tuple[str, FitSpec]]:
     pp = _hybrid(pipeline_parallel_size=2, pipeline_schedule="1f1b", microbatches=2)
+    pp_full = {**pp, "save_distributed_checkpoint": False}
+    zero3_full = _hybrid(zero_stage=3, save_distributed_checkpoint=False)
     return [
         ("dp", dataclasses.replace(GPT, strategy=_hybrid(), devices=2)),
         ("zero1", dataclasses.replace(GPT, strategy=_hybrid(zero_stage=1), devices=2)),
@@ -230,6 +244,13 @@ def _two_rank_cases(tmp: Path) -> list[tuple[str, FitSpec]]:
         ("pp save", dataclasses.replace(GPT, strategy=pp, devices=2, save_to=str(tmp / "pp.ckpt"))),
         ("pp resume", dataclasses.replace(GPT, strategy=pp, devices=2, max_steps=3, resume_from=str(tmp / "pp.ckpt"))),
         ("pp tied llama", dataclasses.replace(TIED_LLAMA, strategy=pp, devices=2)),  # embedding and head on two stages
+        # one-file checkpoints: stages sent to rank 0, then broadcast tensor by tensor on resume
+        ("pp consolidated save", dataclasses.replace(GPT, strategy=pp_full, devices=2, save_to=str(tmp / "pp_full.ckpt"))),
+        ("pp consolidated resume", dataclasses.replace(GPT, strategy=pp_full, devices=2, max_steps=3,
+                                                       resume_from=str(tmp / "pp_full.ckpt"))),
+        ("zero3 consolidated save", dataclasses.replace(GPT, strategy=zero3_full, devices=2, save_to=str(tmp / "z3_full.ckpt"))),
+        ("zero3 consolidated resume", dataclasses.replace(GPT, strategy=zero3_full, devices=2, max_steps=3,
+                                                          resume_from=str(tmp / "z3_full.ckpt"))),
     ]
 
 
@@ -246,6 +267,7 @@ TWO_RANK_SITES = {
     "strategies/resume.py:gather_rng_states",
     "strategies/pipeline_driver.py:_build", "strategies/pipeline_driver.py:_broadcast",
     "strategies/pipeline_driver.py:gather_state",
+    "strategies/pipeline_checkpoint.py:_to_rank0", "strategies/pipeline_checkpoint.py:receive",
 }
 """Call sites in lightning_parallel the 2-rank fits must reach (``docs/collectives.md`` lists all)."""
 

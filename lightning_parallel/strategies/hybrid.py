@@ -81,7 +81,7 @@ from lightning_parallel.strategies.resume import (
 from lightning_parallel.strategies.async_checkpoint import AsyncCheckpointWriter
 from lightning_parallel.strategies.collective_errors import explain_collective_errors, nccl_watchdog_defaults
 from lightning_parallel.strategies.nonfinite import NonFiniteGuard, NonFiniteMode, validate_nonfinite
-from lightning_parallel.strategies.process_group import default_backend, init_process_group
+from lightning_parallel.strategies.process_group import check_backend, default_backend, init_process_group
 from lightning_parallel.strategies.options import (
     as_timedelta,
     check_pipeline_precision,
@@ -403,6 +403,7 @@ class HybridParallelStrategy(ParallelStrategy):
         reset_seed()
         self.set_world_ranks()
         self._process_group_backend = self._process_group_backend or default_backend(self.root_device, self.cpu_offload)
+        check_backend(self._process_group_backend, self.root_device, self.cpu_offload)  # offloaded norms need gloo
         assert self.cluster_environment is not None
         nccl_watchdog_defaults(self._process_group_backend)  # before the group: NCCL reads them at creation
         init_process_group(self.cluster_environment, self._process_group_backend, self._timeout)  # per-attempt store

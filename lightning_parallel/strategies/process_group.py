@@ -23,6 +23,8 @@ import torch.distributed as dist
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightning_parallel.errors import config_error
+
 from lightning_parallel.compat_lightning import (
     default_process_group_backend_for_device as _get_default_process_group_backend_for_device,
     destroy_dist_connection as _destroy_dist_connection,
@@ -62,3 +64,23 @@ def default_backend(device: torch.device, cpu_offload: bool) -> str:
     if device.type == "cuda":
         return "cuda:nccl,cpu:gloo" if cpu_offload else "nccl"
     return _get_default_process_group_backend_for_device(device)
+
+
+def backend_serves_cpu(backend: str) -> bool:
+    """Whether a backend string (``"nccl"``, ``"gloo"``, ``"cuda:nccl,cpu:gloo"``) reduces CPU tensors."""
+    backend = backend.lower()
+    return "cpu:" in backend or backend in ("gloo", "mpi")
+
+
+def check_backend(backend: str, device: torch.device, cpu_offload: bool) -> None:
+    """Refuse, before the group exists, a backend that cannot reduce what the layout keeps on the
+    CPU: with ``cpu_offload`` the sharded gradients live there and the global-norm clipping
+    all-reduces their norms where they are; an NCCL-only group would fail at the first clipped step."""
+    if cpu_offload and device.type != "cpu" and not backend_serves_cpu(backend):
+        raise config_error(
+            ValueError, "process_group_backend", backend,
+            "cpu_offload=True keeps gradients on the CPU and their norms are all-reduced there, which this backend"
+            " cannot do (NCCL rejects CPU tensors)",
+            f'pass process_group_backend="{device.type}:nccl,cpu:gloo" or leave it unset (that pair is the default'
+            " with cpu_offload)",
+        )

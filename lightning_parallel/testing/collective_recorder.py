@@ -57,6 +57,7 @@ from lightning_parallel.compat import (
     parse_to_device,
     resolve_process_group,
 )
+from lightning_parallel.strategies.process_group import backend_serves_cpu
 
 ROOT = torch.device("cpu", 0)
 """Stands for ``cuda:<local_rank>``: an index tells it apart from a plain CPU device."""
@@ -246,12 +247,6 @@ class CollectiveCall:
 
     def describe(self) -> str:
         return f"{self.op} at {self.site} (via {self.via}) ranks={list(self.ranks)} backend={self.backend} devices={list(self.devices)}"
-
-
-def backend_serves_cpu(backend: str) -> bool:
-    """Whether a backend string ("nccl", "gloo", "cuda:nccl,cpu:gloo") reduces CPU tensors."""
-    backend = backend.lower()
-    return "cpu:" in backend or backend in ("gloo", "mpi")
 
 
 def _frame_name(frame: Any) -> str:

@@ -20,6 +20,15 @@ transfers. A collective over ``n`` ranks costs ``2 (n-1)/n x bytes / bandwidth +
 (ring all-reduce bandwidth; the latency of ``2 log2(n)`` steps,
 as tree and hierarchical algorithms take at scale); the link is NVLink-class inside a node and the NIC across nodes, decided from
 where the group's ranks sit in the mesh order ``pp, dp_replicate, dp_shard, tp``.
+
+Costs a profile may carry beyond bandwidth and latency, measured on CPU machines by
+:mod:`~lightning_parallel.parallel.calibrate` (zero in the GPU profiles, whose published-run
+checks were made without them): all-gather and reduce-scatter cost per byte against the ring
+formula (``collective_scale``); each FSDP2 unit's own per-step work (``fsdp_unit_overhead``, not
+hidden by anything: it runs on the training thread); each column+row tensor-parallel pair's
+DTensor work (``tp_pair_overhead``); the latency of one of ZeRO-1's per-parameter broadcasts in
+its asynchronous stream (``pipelined_latency``); and how much collective time hides under the
+backward at all (``comm_overlap``: none when the ranks already use every core).
 """
 
 from __future__ import annotations
@@ -321,10 +330,12 @@ def predict(facts: ModelFacts, layout: Layout, shares: list[RankShare], work: Wo
         dp_comm = _ring(grad_msg, L.dp, dp_link) + (buckets - 1) * 2 * math.ceil(math.log2(max(1, L.dp))) * dp_link[1]
         if L.zero_stage == 1 and L.dp > 1:
             dp_comm += _ring(params * work.param_dtype_bytes, L.dp, dp_link, factor=1.0, scale=ag_scale)  # updated shards re-gathered
-            # ... one broadcast per parameter tensor (torch's ZeroRedundancyOptimizer without bucket views),
-            # issued asynchronously and waited on together: each costs a pipelined latency
+        if L.zero_stage == 1 and L.dp > 1 and L.pp == 1:
+            # ... one broadcast per parameter tensor (torch's ZeroRedundancyOptimizer without bucket views,
+            # which the strategy uses without pipelines), issued asynchronously and waited on together:
+            # each costs a pipelined latency
             stream = hw.pipelined_latency if hw.pipelined_latency and L.tp * L.dp <= dpn else dp_link[1]
-            dp_comm += facts.param_tensors / L.pp * math.ceil(math.log2(L.dp)) * stream
+            dp_comm += facts.param_tensors * math.ceil(math.log2(L.dp)) * stream
     else:
         gathers = 2 * m if L.zero_stage == 3 else 1
         dp_comm = _ring(grad_msg, L.dp_shard, shard_link, factor=1.0, scale=rs_scale)

@@ -208,6 +208,18 @@ def resolve_process_group(name: str) -> Any:
     return distributed_c10d._resolve_process_group(name)
 
 
+def process_group_device(group: Any = None) -> torch.device:
+    """The device a process group's collectives run on (``distributed_c10d._get_pg_default_device``).
+
+    Why: a rank whose tensors all live on the CPU (``cpu_offload``) still broadcasts on the device
+    its group serves (NCCL: CUDA). Since: 2.4 (torch marks it "will be deprecated"). Public: none
+    yet (torch's suggested ``_get_object_coll_device`` is private too).
+    """
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_pg_default_device(group)
+
+
 def multihead_attention_init(module: nn.MultiheadAttention) -> Any:
     """``nn.MultiheadAttention._reset_parameters``: the module's own initialisation, as a callable.
 
@@ -272,6 +284,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
     PrivateApi("functional_collectives", "torch.distributed._functional_collectives:all_reduce", "2.4", "none yet"),
     PrivateApi("multihead_attention_init", "torch.nn:MultiheadAttention._reset_parameters", "2.4", "none yet"),
     PrivateApi("parse_to", "torch:_C._nn._parse_to", "2.4", "none"),
+    PrivateApi("process_group_device", "torch.distributed.distributed_c10d:_get_pg_default_device", "2.4", "none yet"),
     PrivateApi("parse_to_device", "torch:_C._nn._parse_to", "2.4", "none"),
     PrivateApi("resolve_process_group", "torch.distributed.distributed_c10d:_resolve_process_group", "2.4", "none yet"),
 )
@@ -281,7 +294,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
 PRIVATE_ATTRIBUTES = frozenset({"_flatten", "_unflatten", "_set_params_and_buffers_to_ignore_for_model",
                                 "_run_with_interpreter", "_foreach_norm", "_local_tensor",
                                 "_assert_tensor_metadata", "_stages", "_stage", "_parse_to",
-                                "_resolve_process_group", "_reset_parameters"})
+                                "_resolve_process_group", "_reset_parameters", "_get_pg_default_device"})
 
 __all__ = [
     "PRIVATE_APIS", "PRIVATE_ATTRIBUTES", "TORCH_LOWER_BOUND", "AsyncCollectiveTensor", "BatchNormBase",
@@ -289,6 +302,7 @@ __all__ = [
     "PipelineScheduleRuntime", "PrivateApi", "StridedShard", "TreeSpec", "assert_tensor_metadata_op",
     "checkpoint_module", "compute_local_shape_and_global_offset", "ddp_ignore", "device_constructors",
     "flatten_mesh", "foreach_norm", "functional_collectives", "local_tensor", "modify_graph_op_device",
-    "multihead_attention_init", "parse_to", "parse_to_device", "resolve_process_group", "run_generated_code",
+    "multihead_attention_init", "parse_to", "parse_to_device", "process_group_device",
+    "resolve_process_group", "run_generated_code",
     "schedule_stages", "tree_flatten", "tree_leaves", "tree_map", "tree_unflatten", "unflatten_mesh",
 ]

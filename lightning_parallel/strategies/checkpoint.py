@@ -16,8 +16,8 @@ shapes on a mismatch: never a silent partial load.
 
 Under pipeline parallelism each rank saves and loads only what its stages keep, model and
 optimizer state alike (:mod:`.pipeline_checkpoint`). A consolidated file is read by rank 0 alone
-(memory-mapped) and broadcast tensor by tensor (DCP's ``broadcast_from_rank0``): no rank loads
-the whole file, and no rank but 0 ever holds the whole model at once.
+(memory-mapped) and broadcast tensor by tensor, each rank keeping its shard: no rank loads the
+whole file, and no rank but 0 ever holds the whole model at once.
 
 ZeRO-1's ``ZeroRedundancyOptimizer`` is not understood by DCP's optimizer API; its state is
 consolidated on rank 0 and stored, keyed by FQN like every other optimizer state, in the
@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim import Optimizer
 
+from lightning_parallel.compat import process_group_device
 from lightning_parallel.parallel.tp_fused import checkpoint_layout, restore_layout
 from lightning_parallel.parallel.zero import full_optimizer_state
 
@@ -233,8 +234,6 @@ def _header(checkpoint: dict[str, Any]) -> dict[str, Any]:
     return {
         "rest": {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")},
         "shapes": {k: tuple(v.shape) for k, v in checkpoint["state_dict"].items() if isinstance(v, torch.Tensor)},
-        "optimizers": [{"stateless": not s.get("state"), "param_groups": s.get("param_groups", [])}
-                       for s in checkpoint.get("optimizer_states", [])],
     }
 
 
@@ -257,29 +256,40 @@ def read_rest(path: Path) -> dict[str, Any]:
     return _read_consolidated(path)[1]["rest"]
 
 
+def _collective_device(module: nn.Module) -> torch.device:
+    """Where this rank's broadcasts run: its parameters' device (the root device), or, for parameters
+    kept on the CPU (``cpu_offload``), the default process group's device."""
+    for tensor in module.parameters():
+        if not tensor.is_meta and tensor.device != torch.device("cpu"):
+            return tensor.device
+    return process_group_device()
+
+
 def _load_consolidated(module: nn.Module, optimizers: list[Optimizer], path: Path, strict: bool) -> dict[str, Any]:
     """A consolidated file into any eager layout: rank 0 reads it (memory-mapped) and broadcasts it
-    tensor by tensor; each rank keeps its shard (``broadcast_from_rank0``)."""
-    checkpoint, header = _read_consolidated(path)
-    expected = {k: tuple(v.shape) for k, v in model_state(module, full=False).items()}
-    check_shapes(expected, header["shapes"], path)
-    options = StateDictOptions(full_state_dict=True, strict=strict, broadcast_from_rank0=_distributed())
-    set_model_state_dict(module, checkpoint.get("state_dict", {}), options=options)
-    saved = checkpoint.get("optimizer_states", [])
-    for idx, (opt, info) in enumerate(zip(optimizers, header["optimizers"])):
-        if isinstance(opt, ZeroRedundancyOptimizer) and _distributed():
-            # ZeRO-1 loads a consolidated state on every rank and keeps its partition (its own API).
-            box = [saved[idx] if dist.get_rank() == 0 else None]
-            dist.broadcast_object_list(box, src=0)
-            _load_zero1_state(module, opt, box[0])
-        elif info["stateless"]:
-            _load_full_optimizer_state(module, opt, {"state": {}, "param_groups": info["param_groups"]})
-        elif _distributed():
-            set_optimizer_state_dict(module, opt, saved[idx] if dist.get_rank() == 0 else {},
-                                     options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-        else:
-            _load_full_optimizer_state(module, opt, saved[idx])
-    return header["rest"]
+    tensor by tensor; each rank keeps its shard (:func:`.pipeline_checkpoint.load_held_consolidated`,
+    with every tensor held). One process loads it directly."""
+    if not _distributed():
+        checkpoint, header = _read_consolidated(path)
+        check_shapes({k: tuple(v.shape) for k, v in model_state(module, full=False).items()}, header["shapes"], path)
+        set_model_state_dict(module, checkpoint["state_dict"], options=StateDictOptions(full_state_dict=True, strict=strict))
+        for opt, opt_state in zip(optimizers, checkpoint.get("optimizer_states", [])):
+            _load_full_optimizer_state(module, opt, opt_state)
+        return header["rest"]
+    from lightning_parallel.strategies.pipeline_checkpoint import load_held_consolidated
+
+    device = _collective_device(module)
+    zero1 = [isinstance(opt, ZeroRedundancyOptimizer) for opt in optimizers]
+    rest = load_held_consolidated(module, [None if z else opt for opt, z in zip(optimizers, zero1)], path, strict, {}, device)
+    if any(zero1):  # ZeRO-1 loads a consolidated state on every rank and keeps its partition (its own API)
+        saved = torch.load(path, map_location="cpu", weights_only=False, mmap=True).get("optimizer_states", []) \
+            if dist.get_rank() == 0 else []
+        for idx, opt in enumerate(optimizers):
+            if zero1[idx]:
+                box = [saved[idx] if dist.get_rank() == 0 else None]
+                dist.broadcast_object_list(box, src=0)
+                _load_zero1_state(module, opt, box[0])
+    return rest
 
 
 def _load_full_optimizer_state(module: nn.Module, optimizer: Optimizer, state: dict[str, Any]) -> None:

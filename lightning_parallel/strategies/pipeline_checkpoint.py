@@ -292,10 +292,15 @@ def load_held_sharded(module: nn.Module, optimizers: Iterable[Optimizer], path: 
         del optimizer.state[p]
 
 
-def load_held_consolidated(module: nn.Module, optimizers: list[Optimizer], path: Path, strict: bool,
+def load_held_consolidated(module: nn.Module, optimizers: list[Optimizer | None], path: Path, strict: bool,
                            released: dict[str, torch.Size], device: torch.device) -> dict[str, Any]:
     """Load a consolidated file: rank 0 memory-maps it and broadcasts it tensor by tensor; every rank
-    keeps its slice of what its stages hold. Returns the rest of the checkpoint (loops, callbacks)."""
+    keeps its slice of what its stages hold. Returns the rest of the checkpoint (loops, callbacks).
+
+    Also the loader of eager layouts (``released`` empty: every tensor held). Why not DCP's
+    ``broadcast_from_rank0``: it slices by offset, which is wrong for packed tensor-parallel
+    parameters (``_StridedShard``: GPT-2's ``c_attn``); ``distribute_tensor`` here slices them
+    right. ``None`` in ``optimizers``: an optimizer loaded elsewhere (ZeRO-1), skipped."""
     checkpoint: dict[str, Any] = {}
     header: list[Any] = [None]
     if dist.get_rank() == 0:
@@ -315,6 +320,12 @@ def load_held_consolidated(module: nn.Module, optimizers: list[Optimizer], path:
     missing = sorted(k for k in targets if k not in model_layout)
     if missing and strict:
         raise _missing_error(path, missing)
+    unexpected = sorted(set(model_layout) - {key for key, _, _ in _entries(module)})
+    if unexpected and strict:
+        raise ValueError(
+            f"Checkpoint {path} holds {len(unexpected)} tensors the model does not have, e.g. {unexpected[:5]}."
+            " HINT: load a checkpoint of this model, or set `self.strict_loading = False` in the LightningModule."
+        )
 
     def receive(shape: tuple[int, ...], dtype: torch.dtype, source: Any) -> Tensor:
         full = source().to(device) if dist.get_rank() == 0 else torch.empty(shape, dtype=dtype, device=device)
@@ -327,6 +338,8 @@ def load_held_consolidated(module: nn.Module, optimizers: list[Optimizer], path:
             if key in targets:
                 _place(targets[key], full)
         for idx, (optimizer, layout) in enumerate(zip(optimizers, optim_layouts)):
+            if optimizer is None:
+                continue
             groups, params = _param_groups(module, optimizer)
             by_name = {name: p for p, name in params}
             init_held_state(optimizer, [p for p, name in params if name in held])

@@ -8,7 +8,9 @@ devices instead, in three parts:
    the strategy's ``root_device`` returns it, and ``tensor.device`` read *from lightning_parallel's
    own code* returns it for every tensor not marked CPU, so ``torch.zeros((), device=p.device)``
    or ``device=self.root_device`` is "on the GPU" while ``torch.zeros(())``, ``device="cpu"``,
-   ``torch.device("cpu")`` and ``.cpu()`` are not, exactly as on CUDA.
+   ``torch.device("cpu")`` and ``.cpu()`` are not, exactly as on CUDA. The torch call itself
+   receives the plain CPU in ROOT's place (``.to(cpu:0)`` would copy a CPU tensor, untying tied
+   weights, where the simulated move to the device a tensor is on is a no-op).
 2. **A device mark propagated through ops** (:class:`DeviceTaintMode`, a ``TorchFunctionMode``):
    a tensor that a CUDA run would hold on the CPU carries the attribute ``_lp_would_be_cpu``.
    It is set where lightning_parallel creates a tensor without a device or with a plain CPU one

@@ -133,11 +133,23 @@ class SaveTraffic(Callback):
         strategy.save_checkpoint = save_checkpoint
 
 
+def meta_built_hf_lm(**kwargs: Any) -> Any:
+    """A Hugging Face causal LM wrapper built under ``torch.device("meta")``, as a model too large
+    for one device is built: a pipeline rank allocates only its stages, after tracing."""
+    from lightning_parallel.testing.real_models import HFCausalLM
+
+    with torch.device("meta"):
+        return HFCausalLM(**kwargs)
+
+
 KWARGS = {"vocab_size": 64, "block_size": 16, "n_layer": 2, "n_head": 4, "n_embd": 32}
 SGD = FitSpec(model="lightning_parallel.models:GPT", model_kwargs={**KWARGS, "lr": 0.5},
               data="lightning_parallel.testing.parity:token_data", data_kwargs={"num_samples": 24}, global_batch=8,
               trainer_kwargs={"gradient_clip_val": 0.5})
 ADAMW = dataclasses.replace(SGD, model="tests.test_pipeline_checkpoint:GPTTwoGroupsAdamW", model_kwargs={**KWARGS, "lr": 0.01})
+LLAMA = dataclasses.replace(SGD, model="lightning_parallel.testing.real_models:HFCausalLM",
+                            model_kwargs={"family": "llama", "n_layer": 2})
+META_LLAMA = dataclasses.replace(LLAMA, model="tests.test_pipeline_checkpoint:meta_built_hf_lm")
 PP2 = {"pipeline_parallel_size": 2, "microbatches": 2}
 TP2_PP2 = {"tensor_parallel_size": 2, **PP2}
 
@@ -162,11 +174,12 @@ def one_process(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The uninterrupted single-process runs (6 steps, SGD and AdamW) and a consolidated AdamW
     checkpoint written by one process after its first epoch, in one spawn."""
     path = tmp_path_factory.mktemp("one") / "one.ckpt"
-    sgd, adamw, first = _run([dataclasses.replace(SGD, max_steps=-1, max_epochs=2),
-                              dataclasses.replace(ADAMW, max_steps=-1, max_epochs=2),
-                              _first(ADAMW, {}, path, sharded=False)], 1)
+    sgd, adamw, llama, first = _run([dataclasses.replace(SGD, max_steps=-1, max_epochs=2),
+                                     dataclasses.replace(ADAMW, max_steps=-1, max_epochs=2),
+                                     dataclasses.replace(LLAMA, max_steps=-1, max_epochs=2),
+                                     _first(ADAMW, {}, path, sharded=False)], 1)
     torch.testing.assert_close(torch.tensor(first["losses"]), torch.tensor(adamw["losses"][:3]), rtol=1e-6, atol=0)
-    return {"sgd": sgd, "adamw": adamw, "path": path}
+    return {"sgd": sgd, "adamw": adamw, "llama": llama, "path": path}
 
 
 def _assert_continues(resumed: dict[str, Any], reference: dict[str, Any], label: str) -> None:
@@ -194,8 +207,8 @@ def _file_keys(path: Path) -> dict[str, set[str]]:
 
 
 def test_pipeline_save_writes_own_stages_and_resumes_in_any_layout(tmp_path: Path, one_process: dict[str, Any]) -> None:
-    """pp2: the sharded save gathers nothing; pp2 -> pp2 (SGD, AdamW), pp2 -> zero3 and zero1 -> pp2
-    continue like the uninterrupted single process."""
+    """pp2: the sharded save gathers nothing; pp2 -> pp2 (SGD, AdamW, a meta-built HF Llama), pp2 ->
+    zero3 and zero1 -> pp2 continue like the uninterrupted single process."""
     traffic = tmp_path / "traffic.jsonl"
     ref_sgd, ref_adamw = one_process["sgd"], one_process["adamw"]
     results = _run([
@@ -206,6 +219,8 @@ def test_pipeline_save_writes_own_stages_and_resumes_in_any_layout(tmp_path: Pat
         _resume(ADAMW, PP2, tmp_path / "adamw.ckpt"),
         _resume(ADAMW, {"zero_stage": 3}, tmp_path / "adamw.ckpt"),
         _resume(ADAMW, PP2, tmp_path / "zero1.ckpt"),
+        _first(LLAMA, PP2, tmp_path / "llama.ckpt"),
+        _resume(META_LLAMA, PP2, tmp_path / "llama.ckpt"),
     ], 2)
     for result, reference, label in ((results[0], ref_sgd, "pp2 SGD, first epoch"), (results[1], ref_adamw, "pp2 AdamW, first epoch"),
                                       (results[2], ref_adamw, "zero1 AdamW, first epoch")):
@@ -216,6 +231,8 @@ def test_pipeline_save_writes_own_stages_and_resumes_in_any_layout(tmp_path: Pat
     _assert_continues(results[5], ref_adamw, "pp2 -> zero3, AdamW")
     # ZeRO-1 keeps its optimizer state consolidated beside the DCP files (meta.pt): placed into the stages too.
     _assert_continues(results[6], ref_adamw, "zero1 -> pp2, AdamW")
+    # Built on the meta device: the load waits for the stages, then fills what each rank allocated.
+    _assert_continues(results[8], one_process["llama"], "pp2 -> pp2, Llama built on the meta device")
 
     records = [json.loads(line) for line in traffic.read_text().splitlines()]
     assert len(records) == 4  # two saves on two ranks

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Generator, Mapping, Sequence
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -53,23 +52,22 @@ from lightning_parallel.compat_lightning import (
 from lightning_parallel.parallel.activation_checkpointing import apply_activation_checkpointing
 from lightning_parallel.parallel.compile import apply_compile, check_compile_layout, compile_kwargs
 from lightning_parallel.parallel.blocks import find_repeated_blocks
-from lightning_parallel.parallel.clip import clip_grad_norm_
 from lightning_parallel.parallel.data_parallel import apply_ddp, apply_fsdp, fsdp_modules
 from lightning_parallel.parallel.auto_degrees import DegreeChoice, choose_3d_degrees
 from lightning_parallel.strategies.auto_layout import planner_inputs
 from lightning_parallel.parallel.pipeline_schedules import resolve_virtual_stages, schedule_spec
-from lightning_parallel.parallel.dims import DP, EDP, PP_DP, TP, Degree, ParallelDims
+from lightning_parallel.parallel.dims import DP, EDP, TP, Degree, ParallelDims
 from lightning_parallel.parallel.expert_parallel import validate_expert_parallel
 from lightning_parallel.parallel.materialize import MetaInitContext, RngSnapshot, has_meta_tensors, materialize_meta_module, move_real_tensors
 from lightning_parallel.parallel.pipeline_meta import stays_meta_until_traced
 from lightning_parallel.parallel.tensor_parallel import apply_tensor_parallel
-from lightning_parallel.parallel.tp_loss import sharded_logits_step
 from lightning_parallel.parallel.tp_plan import TensorParallelPlan, resolve_tp_plan
 from lightning_parallel.parallel.zero import shard_optimizer_state
 from lightning_parallel.pretrained import run_pending_loads
 from lightning_parallel.strategies import checkpoint as ckpt
 from lightning_parallel.strategies import precision as prec
-from lightning_parallel.strategies.experts import add_moe_losses, apply_experts, reduce_expert_grads
+from lightning_parallel.strategies.engine import StepEngine, engine_for
+from lightning_parallel.strategies.experts import apply_experts
 from lightning_parallel.strategies.layer_sync import apply_layer_sync, check_layer_sync
 from lightning_parallel.strategies.resume import (
     RNG_KEY,
@@ -443,7 +441,7 @@ class HybridParallelStrategy(ParallelStrategy):
         self.model_to_device()
         self.model = self._parallelize(module)
         self._install_global_norm_clipping()
-        self._sync_metrics_over_data_parallel(module)
+        self._engine.configure_metrics(module)  # torchmetrics: which ranks a Metric syncs over
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -562,32 +560,6 @@ class HybridParallelStrategy(ParallelStrategy):
                     config.scheduler.optimizer = sharded  # type: ignore[attr-defined]
             self.optimizers[idx] = sharded
 
-    def _sync_metrics_over_data_parallel(self, module: nn.Module) -> None:
-        """torchmetrics objects report the global batch per step and count each sample once.
-
-        Lightning logs a Metric's step value from its forward (this rank's batch only, whatever
-        ``sync_dist`` says), and torchmetrics syncs over the whole world by default, where tensor
-        and pipeline peers hold duplicate states. Sync on step, over the data-parallel ranks: one
-        all-gather per metric per step buys the single-process value on every rank.
-        """
-        from torchmetrics import Metric
-
-        dims = self.parallel_dims
-        pipeline = dims.pp > 1
-        # Under pipeline parallelism only last-stage ranks update metrics (the pipeline driver
-        # replays their step values; a per-step sync there would wait for ranks that never
-        # update), and epoch values sync over the pipeline and data ranks of this rank's tensor
-        # column (the world when tp == 1), where the other stages add empty states and the
-        # tensor-parallel peers' duplicate states stay out.
-        if pipeline:
-            group = dims.axis(PP_DP).get_group() if dims.tp > 1 else None
-        else:
-            group = self._data_parallel_group()
-        for metric in module.modules():
-            if isinstance(metric, Metric):
-                metric.process_group = group
-                metric.dist_sync_on_step = not pipeline and dims.dp > 1  # nothing to sync over one rank
-
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any | None = None, **kwargs: Any) -> Any:
         with self._explain("optimizer step (clipping, non-finite check, ZeRO)"):
@@ -620,11 +592,7 @@ class HybridParallelStrategy(ParallelStrategy):
         plugin = self.precision_plugin
 
         def clip_grad_by_norm(optimizer: Optimizer, clip_val: int | float) -> None:
-            if self._pipeline is not None:  # the norm spans every stage's parameters
-                self._pipeline.clip_grad_norm_(float(clip_val))
-                return
-            params = [p for group in optimizer.param_groups for p in group["params"]]
-            clip_grad_norm_(params, float(clip_val), device=self.root_device)
+            self._engine.clip_grad_norm(optimizer, float(clip_val))
 
         plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
 
@@ -671,61 +639,33 @@ class HybridParallelStrategy(ParallelStrategy):
         return report.replaced
 
     # ------------------------------------------------------------------ steps
+    @property
+    def _engine(self) -> StepEngine:
+        """The step engine of the applied layout (``strategies/engine.py``): eager, or the pipeline's."""
+        return engine_for(self)
+
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._explain("forward" if self._pipeline is None else "pipeline schedule (forward and backward)"):
-            return self._training_step(*args, **kwargs)
-
-    def _training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._pipeline is not None:  # Lightning enters the precision context in super().training_step
-            with prec.pipeline_step_context(self.precision_plugin, "training_step"):
-                return self._pipeline.training_step(*args, **kwargs)
-        with sharded_logits_step(self.loss_parallel) as release:
-            output = release(super().training_step(*args, **kwargs))
-        return add_moe_losses(self.lightning_module, output)
+        engine = self._engine
+        with self._explain(engine.forward_phase):
+            return engine.training_step(*args, **kwargs)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         with self._explain("backward (gradient reduction)"):
-            return self._backward(closure_loss, optimizer, *args, **kwargs)
-
-    def _backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
-        if self._pipeline is not None:
-            # The schedule already ran backward inside training_step; Lightning's closure zeroed the
-            # gradients since (zero_grad runs between step and backward): put them back.
-            assert self.lightning_module is not None
-            # (16-mixed: the schedule backpropagated the scaled loss; scaling this stand-in only
-            # starts the scaler's scale on ranks without the last stage, which unscale_ needs.)
-            closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
-            self._pipeline.backward()
-            return self.precision_plugin.post_backward(closure_loss, self.lightning_module)
-        result = super().backward(closure_loss, optimizer, *args, **kwargs)
-        if isinstance(self.model, DistributedDataParallel):  # FSDP2 reduces experts over edp itself
-            reduce_expert_grads(self._expert_params, self.parallel_dims)
-        return result
+            return self._engine.backward(closure_loss, optimizer, *args, **kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._pipeline is not None:
-            with prec.pipeline_step_context(self.precision_plugin, "validation_step"):
-                return self._pipeline.eval_step("validation_step", *args, **kwargs)
-        with sharded_logits_step(self.loss_parallel) as release:
-            return release(super().validation_step(*args, **kwargs))
+        return self._engine.eval_step("validation_step", *args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._pipeline is not None:
-            with prec.pipeline_step_context(self.precision_plugin, "test_step"):
-                return self._pipeline.eval_step("test_step", *args, **kwargs)
-        with sharded_logits_step(self.loss_parallel) as release:
-            return release(super().test_step(*args, **kwargs))
+        return self._engine.eval_step("test_step", *args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._pipeline is not None:
-            with prec.pipeline_step_context(self.precision_plugin, "predict_step"):
-                return self._pipeline.eval_step("predict_step", *args, **kwargs)
-        return super().predict_step(*args, **kwargs)
+        return self._engine.eval_step("predict_step", *args, **kwargs)
 
     @contextlib.contextmanager
     @override
@@ -807,17 +747,13 @@ class HybridParallelStrategy(ParallelStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         assert self.lightning_module is not None
-        if self._pipeline is not None:  # each tensor from the stage keeping it; no rank gathers the others'
-            return self._pipeline.checkpoint_model_state(full=not self._save_distributed_checkpoint)
-        return ckpt.model_state(self.lightning_module, full=not self._save_distributed_checkpoint)
+        return self._engine.model_state(full=not self._save_distributed_checkpoint)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         optimizer = unwrap_optimizer(optimizer)
         assert self.lightning_module is not None
-        if self._pipeline is not None:  # each parameter's state from the stage keeping it (strategies/pipeline_checkpoint.py)
-            return self._pipeline.checkpoint_optimizer_state(optimizer, full=not self._save_distributed_checkpoint)
-        return ckpt.optimizer_state(self.lightning_module, optimizer, full=not self._save_distributed_checkpoint)
+        return self._engine.optimizer_state(optimizer, full=not self._save_distributed_checkpoint)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
@@ -843,37 +779,12 @@ class HybridParallelStrategy(ParallelStrategy):
         assert self.lightning_module is not None
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         self._resume_skip_pending = fitting
-        pipeline = self._pipeline
-        if pipeline is not None:  # each rank reads what its stages hold
-            loaded = self._load_into_pipeline(pipeline, path, fitting)
-        else:
-            loaded = ckpt.load_into(self.lightning_module, list(self.optimizers), path, strict=self.lightning_module.strict_loading)
+        loaded = self._engine.load(path, fitting)  # each rank reads only what it holds
         # Restored now (right for a checkpoint at an epoch end) and again once a mid-epoch resume
         # has created its data iterator, which draws from the RNG where the saved run did not.
         self._resume_rng = loaded.get(RNG_KEY) if fitting else None
         restore_rng_state(self._resume_rng)
         return loaded
-
-    def _load_into_pipeline(self, pipeline: Any, path: Path, fitting: bool) -> dict[str, Any]:
-        """Pipelines load per rank, only what their stages hold (``strategies/pipeline_checkpoint.py``).
-
-        Before the stages exist (they are traced from the first batch) the load waits for them:
-        then no rank reads another stage's tensors, and a meta-built model has real ones to fill.
-        ``validate/test/predict(ckpt_path=...)`` after a fit (stages traced): model weights only.
-        """
-        assert self.lightning_module is not None
-        strict = self.lightning_module.strict_loading
-        if pipeline._runtime is None:
-            pipeline.defer_load(path, strict)
-            return ckpt.read_rest(path)
-        if fitting:
-            raise RuntimeError(
-                f"Resuming fit from {path} into a module whose pipeline stages are already traced (a second"
-                " fit on the same module) is not supported: its optimizer state lives in the traced layout."
-                " HINT: resume in a fresh Trainer with a freshly built module (checkpoints are layout-independent)."
-            )
-        rest = pipeline.load(path, [], strict)
-        return rest if rest is not None else ckpt.read_rest(path)
 
     @override
     def process_dataloader(self, dataloader: object) -> object:

@@ -23,8 +23,10 @@ are the model-state figures the 1.15 x target is about; the training peak also h
 and the layout's transient copies (FSDP2's gathered blocks, pipeline buffers), which are printed
 as they are rather than folded into an "ideal".
 
-Run: ``python benchmarks/bench_memory.py`` (heavy: about 10 GiB of RAM for ``ddp`` at the default
-size; ``--layers 4 --width 128 --heads 4 --vocab 256`` for a quick check of the script).
+Run: ``python benchmarks/bench_memory.py`` (default: P = 1025 MiB. Heavy: ``ddp`` peaks at 3.2 GiB
+RSS per rank, 13 GiB for 4 ranks, our layouts at 0.9-2.7 GiB per rank; each layout took 1-4 min
+on 2 shared cores; the README's table is this script's output. ``--layers 4 --width 128 --heads 4
+--vocab 256`` for a quick check of the script).
 """
 
 from __future__ import annotations

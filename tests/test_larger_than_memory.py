@@ -48,3 +48,27 @@ def test_larger_than_memory_example_trains_under_zero3_and_pp() -> None:
     # both strategies train the same model from the same seed: first losses agree (the same initial weights)
     for rank_results in results:
         assert abs(rank_results[0][0]["losses"][0] - rank_results[1][0]["losses"][0]) < 1e-4, rank_results
+
+
+def test_embeddings_and_head_get_fsdp_units_of_their_own() -> None:
+    """zero3's root unit stays gathered for the whole step: ``outer_units`` takes the embeddings and the
+    head out of it (tied ones as one group, only embedding groups resharding after forward), and
+    leaves small modules (position tables, norms) in the root. (That tensor-parallel ones stay there too
+    needs a process group; not checked here.)"""
+    import torch
+
+    from lightning_parallel.models.gpt import GPT
+    from lightning_parallel.parallel.blocks import find_repeated_blocks
+    from lightning_parallel.parallel.data_parallel import outer_units
+    from lightning_parallel.testing.real_models import HFCausalLM
+
+    def units(model: torch.nn.Module) -> list[tuple[list[str], bool]]:
+        names = {id(m): n for n, m in model.named_modules()}
+        blocks = [b for _, b in find_repeated_blocks(model)]
+        return [([names[id(m)] for m in group], reshards) for group, reshards in outer_units(model, blocks)]
+
+    with torch.device("meta"):
+        gpt = GPT(vocab_size=256, block_size=16, n_layer=4, n_head=4, n_embd=128)
+        tied = HFCausalLM(family="gpt2")
+    assert units(gpt) == [(["tok_emb"], True), (["lm_head"], False)]  # pos_emb (2k of a 198k block) stays
+    assert units(tied) == [(["model.transformer.wte", "model.lm_head"], False), (["model.transformer.wpe"], True)]

@@ -22,7 +22,7 @@ from lightning_parallel.parallel.planner_cost import _ring
 RAW = {  # seconds, the shape of measure_on_ranks' answer (figures of this machine's order)
     "all_reduce_small": 0.4e-3, "all_gather_small": 0.3e-3, "reduce_scatter_small": 0.35e-3,
     "all_reduce_large": 4.0e-3, "all_gather_large": 7.0e-3, "reduce_scatter_large": 5.0e-3,
-    "fsdp_unit": {2: 2.0e-3, 3: 3.0e-3}, "tp_pair": 5.0e-3, "overlap": 0.25, "world": 2, "broadcast_stream": 0.05e-3,
+    "fsdp_unit": {2: 2.0e-3, 3: 3.0e-3}, "fsdp_unit_wide": {2: 2.6e-3, 3: 3.9e-3}, "tp_pair": 5.0e-3, "overlap": 0.25, "world": 2, "broadcast_stream": 0.05e-3,
 }
 
 
@@ -40,7 +40,9 @@ def test_derive_inverts_the_ring_formula() -> None:
     rs = _ring(LARGE_BYTES, 2, link, factor=1.0, scale=d["collective_scale"]["reduce_scatter"])
     assert rs - link[1] == pytest.approx(RAW["reduce_scatter_large"] - RAW["reduce_scatter_small"], rel=1e-9)
     # Overheads exclude the collective latencies the model prices on its own
-    assert d["fsdp_unit_overhead"] == pytest.approx({2: 2.0e-3 - 2 * 0.3e-3, 3: 3.0e-3 - 3 * 0.3e-3})
+    # Units of 2 and 8 tensors: 0.1 ms (zero2) and 0.15 ms (zero3) per tensor, the rest per unit
+    assert d["fsdp_tensor_overhead"] == pytest.approx({2: 0.1e-3, 3: 0.15e-3})
+    assert d["fsdp_unit_overhead"] == pytest.approx({2: 2.0e-3 - 0.2e-3 - 2 * 0.3e-3, 3: 3.0e-3 - 0.3e-3 - 3 * 0.3e-3})
     assert d["tp_pair_overhead"] == pytest.approx(5.0e-3 - 2 * 0.4e-3)
     assert d["comm_overlap"] == 0.25
     assert d["pipelined_latency"] == 0.05e-3
@@ -62,10 +64,12 @@ def _step_times(profile: object) -> dict[str, float]:
 
 def test_each_measured_overhead_moves_its_own_layouts() -> None:
     base = _step_times(_profile())
-    fsdp = _step_times(_profile(fsdp_unit_overhead={2: 1e-3, 3: 2e-3}))
+    fsdp = _step_times(_profile(fsdp_unit_overhead={2: 1e-3, 3: 2e-3}, fsdp_tensor_overhead={2: 1e-4, 3: 2e-4}))
     units = 4 + 1  # blocks plus the root
-    assert fsdp["zero2"] - base["zero2"] == pytest.approx(units * 1e-3, rel=1e-6)
-    assert fsdp["zero3"] - base["zero3"] == pytest.approx(units * 2e-3, rel=1e-6)
+    with torch.device("meta"):
+        tensors = len(list(GPT(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128).parameters()))
+    assert fsdp["zero2"] - base["zero2"] == pytest.approx(units * 1e-3 + tensors * 1e-4, rel=1e-6)
+    assert fsdp["zero3"] - base["zero3"] == pytest.approx(units * 2e-3 + tensors * 2e-4, rel=1e-6)
     assert all(fsdp[k] == base[k] for k in ("dp", "zero1", "tp2", "pp2"))
     tp = _step_times(_profile(tp_pair_overhead=1e-3))
     assert tp["tp2"] - base["tp2"] == pytest.approx(4 * 2 * 1e-3, rel=1e-6)  # two pairs per block
@@ -84,9 +88,10 @@ def test_each_measured_overhead_moves_its_own_layouts() -> None:
 
 
 def test_a_real_calibration_on_two_ranks() -> None:
-    d = calibrate_collectives(2, repeats=3, timeout=120)
+    d = calibrate_collectives(2, repeats=3, timeout=120, trials=2)
     assert 0 < d["intra_latency"] < 0.1 and 1e6 < d["intra_bandwidth"] < 1e12
     assert all(v > 0 for v in d["collective_scale"].values())
     assert set(d["fsdp_unit_overhead"]) == {2, 3} and all(v >= 0 for v in d["fsdp_unit_overhead"].values())
+    assert set(d["fsdp_tensor_overhead"]) == {2, 3} and all(v >= 0 for v in d["fsdp_tensor_overhead"].values())
     assert d["tp_pair_overhead"] >= 0 and 0.0 <= d["comm_overlap"] <= 1.0
     assert 0 < d["pipelined_latency"] <= d["intra_latency"]

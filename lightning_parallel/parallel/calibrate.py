@@ -15,8 +15,9 @@ small inputs chosen so that the effect measured dominates:
   ``reduce_scatter`` bandwidth as a factor of the all-reduce ring formula (gloo implements them
   with different algorithms: measured 2.5x and 1.4x slower per byte here);
 * per FSDP2 unit, per step, the time beyond its collectives' latencies, for ZeRO-2
-  (``reshard_after_forward=False``) and ZeRO-3, from a stack of tiny ``fully_shard`` units against
-  the same stack unwrapped;
+  (``reshard_after_forward=False``) and ZeRO-3, from stacks of tiny ``fully_shard`` units against
+  the same stacks unwrapped, with units of 2 and of 8 parameter tensors: a fixed part per unit
+  and a part per tensor (copy-in/out, views, hooks per parameter; a transformer block holds 12-16);
 * per column+row parallel pair (the unit of the tensor-parallel plan, two per transformer block),
   the time beyond its two all-reduces, against the same two ``Linear`` layers unwrapped;
 * the fraction of an asynchronous all-reduce that hides under a concurrent matmul;
@@ -30,6 +31,7 @@ must agree on a plan without measuring); the dry run does, through ``hardware=ca
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -40,6 +42,7 @@ from torch import nn
 SMALL_BYTES = 4096
 LARGE_BYTES = 4 * 1024 * 1024
 STREAM = 32  # asynchronous broadcasts in the pipelined-latency measurement
+WIDE_LINEARS = 4  # Linear layers per unit in the second FSDP2 measurement
 
 
 def _best_pair(first: Callable[[], Any], second: Callable[[], Any], repeats: int,
@@ -101,13 +104,15 @@ def _collective_times(repeats: int) -> dict[str, float]:
     return out
 
 
-def _tiny_stack(units: int, width: int) -> nn.Sequential:
+def _tiny_stack(units: int, width: int, linears: int = 1) -> nn.Sequential:
+    """``units`` FSDP-unit candidates of ``linears`` tiny Linear layers each (2 parameter tensors per Linear)."""
     torch.manual_seed(0)
-    return nn.Sequential(*[nn.Linear(width, width) for _ in range(units)])
+    return nn.Sequential(*[nn.Sequential(*[nn.Linear(width, width) for _ in range(linears)]) for _ in range(units)])
 
 
-def _fsdp_unit_times(repeats: int, units: int = 8, width: int = 16) -> dict[int, float]:
-    """Seconds per FSDP2 unit per forward+backward (root included), beyond the unwrapped stack."""
+def _fsdp_unit_times(repeats: int, units: int = 8, width: int = 16, linears: int = 1) -> dict[int, float]:
+    """Seconds per FSDP2 unit per forward+backward (root included), beyond the unwrapped stack,
+    for units of ``linears`` Linear layers (FSDP2's per-unit work grows with the tensors it holds)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -118,10 +123,10 @@ def _fsdp_unit_times(repeats: int, units: int = 8, width: int = 16) -> dict[int,
     def step(module: nn.Module) -> Callable[[], None]:
         return lambda: module(x).sum().backward()
 
-    plain_stack = _tiny_stack(units, width)
+    plain_stack = _tiny_stack(units, width, linears)
     out: dict[int, float] = {}
     for stage, reshard in ((2, False), (3, True)):
-        stack = _tiny_stack(units, width)
+        stack = _tiny_stack(units, width, linears)
         for layer in stack:
             fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
         fully_shard(stack, mesh=mesh, reshard_after_forward=reshard)
@@ -186,7 +191,8 @@ def measure_on_ranks(repeats: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     out: dict[str, Any] = dict(_collective_times(repeats))
-    out["fsdp_unit"] = _fsdp_unit_times(repeats)
+    out["fsdp_unit"] = _fsdp_unit_times(repeats)  # 2 parameter tensors per unit
+    out["fsdp_unit_wide"] = _fsdp_unit_times(repeats, linears=WIDE_LINEARS)  # 2 x WIDE_LINEARS per unit
     out["tp_pair"] = _tp_pair_time(repeats)
     out["overlap"] = _overlap_fraction(repeats)
     out["world"] = dist.get_world_size()
@@ -214,9 +220,12 @@ def derive(measured: dict[str, Any]) -> dict[str, Any]:
         return max(0.1, spent / base)
 
     one = measured["all_gather_small"]
+    # Per unit a + b x tensors: two unit sizes (2 and 2 x WIDE_LINEARS tensors) give both
+    extra = 2 * (WIDE_LINEARS - 1)
+    per_tensor = {k: max(0.0, (measured["fsdp_unit_wide"][k] - measured["fsdp_unit"][k]) / extra) for k in (2, 3)}
     fsdp = {
-        2: max(0.0, measured["fsdp_unit"][2] - 2 * one),
-        3: max(0.0, measured["fsdp_unit"][3] - 3 * one),
+        2: max(0.0, measured["fsdp_unit"][2] - 2 * per_tensor[2] - 2 * one),
+        3: max(0.0, measured["fsdp_unit"][3] - 2 * per_tensor[3] - 3 * one),
     }
     return {
         "intra_latency": latency,
@@ -226,20 +235,19 @@ def derive(measured: dict[str, Any]) -> dict[str, Any]:
             "reduce_scatter": gather_scale("reduce_scatter", LARGE_BYTES),
         },
         "fsdp_unit_overhead": fsdp,
+        "fsdp_tensor_overhead": per_tensor,
         "tp_pair_overhead": max(0.0, measured["tp_pair"] - 2 * measured["all_reduce_small"]),
         "pipelined_latency": min(latency, measured["broadcast_stream"]),
         "comm_overlap": float(measured["overlap"]),
     }
 
 
-def calibrate_collectives(world_size: int = 2, repeats: int = 25, timeout: float = 180.0) -> dict[str, Any]:
-    """Spawn ``world_size`` gloo ranks, measure, and return the profile fields of :func:`derive`.
+def _trials_on_ranks(repeats: int, trials: int) -> list[dict[str, Any]]:
+    return [measure_on_ranks(repeats) for _ in range(trials)]
 
-    Slowest rank's figure per measurement: a collective ends when its last rank does.
-    """
-    from lightning_parallel.launcher import run_distributed
 
-    per_rank = run_distributed(measure_on_ranks, world_size, repeats, timeout=timeout)
+def _merge_ranks(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """Slowest rank's figure per measurement (a collective ends when its last rank does)."""
     merged: dict[str, Any] = {}
     for key, value in per_rank[0].items():
         if isinstance(value, dict):
@@ -248,7 +256,28 @@ def calibrate_collectives(world_size: int = 2, repeats: int = 25, timeout: float
             merged[key] = min(r[key] for r in per_rank)
         else:
             merged[key] = max(r[key] for r in per_rank)
-    return derive(merged)
+    return merged
+
+
+def _median_fields(fields: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in fields[0].items():
+        if isinstance(value, dict):
+            out[key] = {k: statistics.median(f[key][k] for f in fields) for k in value}
+        else:
+            out[key] = statistics.median(f[key] for f in fields)
+    return out
+
+
+def calibrate_collectives(world_size: int = 2, repeats: int = 25, timeout: float = 180.0, trials: int = 3) -> dict[str, Any]:
+    """Spawn ``world_size`` gloo ranks, measure ``trials`` times, and return the median over trials
+    of each profile field of :func:`derive` (one trial's least times still moved by 2x between
+    calibrations on this shared machine: the DTensor pair read 1.3 ms or 2.6 ms)."""
+    from lightning_parallel.launcher import run_distributed
+
+    per_rank = run_distributed(_trials_on_ranks, world_size, repeats, trials, timeout=timeout)
+    derived = [derive(_merge_ranks([rank[t] for rank in per_rank])) for t in range(trials)]
+    return _median_fields(derived)
 
 
 __all__ = ["calibrate_collectives", "derive", "measure_on_ranks"]

@@ -52,6 +52,7 @@ class HardwareProfile:
     # extra, which is what the published-configuration tests of the GPU profiles were checked with.
     collective_scale: dict[str, float] = field(default_factory=dict)  # per-byte cost vs the ring formula
     fsdp_unit_overhead: dict[int, float] = field(default_factory=dict)  # ZeRO stage -> s per FSDP unit per step
+    fsdp_tensor_overhead: dict[int, float] = field(default_factory=dict)  # ZeRO stage -> s per parameter tensor per step
     tp_pair_overhead: float = 0.0  # s per column+row parallel pair per forward+backward, beyond its all-reduces
     comm_overlap: float = 1.0  # fraction of an asynchronous collective that hides under compute
     pipelined_latency: float = 0.0  # s per small collective in a stream of asynchronous ones (0: intra_latency)
@@ -197,7 +198,7 @@ def calibrate_cpu(size: int = 256, repeats: int = 5, processes: int = 2) -> Hard
     assert isinstance(fsdp, dict)
     notes = (f"{profile.notes}; {processes} gloo ranks: {float(ranks['intra_latency']) * 1e3:.2f} ms collective latency, "  # type: ignore[arg-type]
              f"{float(ranks['intra_bandwidth']) / 1e9:.2f} GB/s, FSDP2 unit {fsdp[2] * 1e3:.2f}/{fsdp[3] * 1e3:.2f} ms "  # type: ignore[arg-type]
-             f"(zero2/zero3), tp pair {float(ranks['tp_pair_overhead']) * 1e3:.2f} ms, overlap {float(ranks['comm_overlap']):.2f}, "  # type: ignore[arg-type]
+             f"(zero2/zero3) + {ranks['fsdp_tensor_overhead'][2] * 1e3:.2f}/{ranks['fsdp_tensor_overhead'][3] * 1e3:.2f} ms per tensor, tp pair {float(ranks['tp_pair_overhead']) * 1e3:.2f} ms, overlap {float(ranks['comm_overlap']):.2f}, "  # type: ignore[arg-type]
              f"{float(ranks['pipelined_latency']) * 1e3:.3f} ms per streamed broadcast")  # type: ignore[arg-type]
     return profile.with_overrides(inter_latency=2 * float(ranks["intra_latency"]),  # type: ignore[arg-type]
                                   inter_bandwidth=float(ranks["intra_bandwidth"]) / 2, notes=notes, **ranks)  # type: ignore[arg-type]

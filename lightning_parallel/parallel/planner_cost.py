@@ -24,8 +24,9 @@ where the group's ranks sit in the mesh order ``pp, dp_replicate, dp_shard, tp``
 Costs a profile may carry beyond bandwidth and latency, measured on CPU machines by
 :mod:`~lightning_parallel.parallel.calibrate` (zero in the GPU profiles, whose published-run
 checks were made without them): all-gather and reduce-scatter cost per byte against the ring
-formula (``collective_scale``); each FSDP2 unit's own per-step work (``fsdp_unit_overhead``, not
-hidden by anything: it runs on the training thread); each column+row tensor-parallel pair's
+formula (``collective_scale``); each FSDP2 unit's own per-step work (``fsdp_unit_overhead`` per
+unit plus ``fsdp_tensor_overhead`` per parameter tensor, not hidden by anything: it runs on the
+training thread); each column+row tensor-parallel pair's
 DTensor work (``tp_pair_overhead``); the latency of one of ZeRO-1's per-parameter broadcasts in
 its asynchronous stream (``pipelined_latency``); and how much collective time hides under the
 backward at all (``comm_overlap``: none when the ranks already use every core).
@@ -345,7 +346,10 @@ def predict(facts: ModelFacts, layout: Layout, shares: list[RankShare], work: Wo
         dp_comm += (units - 1) * per_unit
     # Hooks, copy-in/copy-out and waits of each FSDP unit, per microbatch (measured by calibrate.py):
     # work of the training thread itself, which nothing overlaps.
-    fsdp_overhead = units * m * hw.fsdp_unit_overhead.get(L.zero_stage, 0.0) if L.zero_stage >= 2 else 0.0
+    fsdp_overhead = 0.0
+    if L.zero_stage >= 2:  # a fixed part per unit and a part per parameter tensor this rank's stage holds
+        fsdp_overhead = m * (units * hw.fsdp_unit_overhead.get(L.zero_stage, 0.0)
+                             + facts.param_tensors / L.pp * hw.fsdp_tensor_overhead.get(L.zero_stage, 0.0))
     backward = worst_time["compute"] * 2.0 / 3.0
     window = backward / m if L.pp > 1 else backward
     if L.zero_stage == 3:

@@ -22,17 +22,11 @@ import torch
 
 from lightning_parallel.testing import run_distributed
 from lightning_parallel.testing.parity import FitSpec, run_fit
+from tests.test_strategy_tp import GPT_SPEC
 
 HYBRID = "lightning_parallel:HybridParallelStrategy"
 CLIP = {"gradient_clip_val": 0.05}  # below every step's norm: the clipping collectives really run
-GPT = FitSpec(
-    model="lightning_parallel.models:GPT",
-    model_kwargs={"vocab_size": 64, "block_size": 16, "n_layer": 2, "n_head": 4, "n_embd": 32, "lr": 0.5},
-    data="lightning_parallel.testing.parity:token_data",
-    global_batch=8,
-    max_steps=2,
-    trainer_kwargs=CLIP,
-)
+GPT = dataclasses.replace(GPT_SPEC, max_steps=2, trainer_kwargs=CLIP)  # the tp suite's GPT, clipping always on
 MOE = dataclasses.replace(
     GPT,
     model="lightning_parallel.models:MoEGPT",

@@ -64,20 +64,24 @@ def check_compile_layout(kwargs: dict[str, Any] | None, pipeline_parallel_size: 
     excluded from dynamo), and AOT autograd's backward of the compiled rest then receives plain
     tensors where its traced graph expects DTensor gradients (measured: ``'Tensor' object has no
     attribute '_local_tensor'`` in backward under ``aot_eager``; dynamo's capture alone works)."""
-    if kwargs is not None and tensor_parallel_size > 1:
-        raise config_error(
-            ValueError, "compile_blocks", kwargs if kwargs else True,
-            f"with tensor_parallel_size={tensor_parallel_size} the attention's DTensor region runs eagerly and the"
-            " compiled rest of the block cannot take its plain-tensor gradients (AOT autograd expects DTensors)",
-            "use compile_blocks=False with tensor parallelism, or data parallelism / ZeRO / ep with compile_blocks",
-        )
-    if kwargs is not None and pipeline_parallel_size > 1:
-        raise config_error(
-            ValueError, "compile_blocks", kwargs if kwargs else True,
-            f"pipeline stages (pipeline_parallel_size={pipeline_parallel_size}) are graphs traced with torch.export"
-            " from the first batch, and a compiled block cannot be traced again",
-            "use compile_blocks=False with pipeline parallelism, or a layout without pipelines (dp, zero1-3, tp, ep)",
-        )
+    if kwargs is None:
+        return
+    refusals = [
+        (tensor_parallel_size > 1,
+         f"with tensor_parallel_size={tensor_parallel_size} the attention's DTensor region runs eagerly and the"
+         " compiled rest of the block cannot take its plain-tensor gradients (AOT autograd expects DTensors)",
+         "tensor parallelism"),
+        (pipeline_parallel_size > 1,
+         f"pipeline stages (pipeline_parallel_size={pipeline_parallel_size}) are graphs traced with torch.export"
+         " from the first batch, and a compiled block cannot be traced again",
+         "pipeline parallelism"),
+    ]
+    for refused, rule, axis in refusals:
+        if refused:
+            raise config_error(
+                ValueError, "compile_blocks", kwargs if kwargs else True, rule,
+                f"use compile_blocks=False with {axis}, or compile_blocks with dp, zero1-3, hsdp or ep",
+            )
 
 
 def apply_compile(blocks: Sequence[tuple[str, nn.Module]], kwargs: dict[str, Any]) -> list[str]:

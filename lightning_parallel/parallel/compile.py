@@ -16,8 +16,19 @@ checkpointing (both are traced into the block's graph: DTensor ops and the check
 before FSDP2 / DDP (whose hooks dynamo leaves eager: ``torch._dynamo.config.skip_fsdp_hooks``).
 Pipelines are refused: their stages are graphs traced with ``torch.export`` from the first batch,
 and a compiled block cannot be traced again (``compile_blocks`` with ``pipeline_parallel_size > 1``
-is a typed error naming the fix). Tensor parallelism is refused too, for now (see
-:func:`check_compile_layout`); dp, ZeRO-1/2/3, HSDP and ep compile.
+is a typed error naming the fix). dp, ZeRO-1/2/3, HSDP, ep and tp (with or without sequence
+parallelism, alone or under dp / FSDP2) compile.
+
+Under tensor parallelism the block's graph breaks around each attention/MLP region
+(``tp_attention.RegionForward`` is excluded from dynamo: its dispatch mode is not traceable), so
+what is compiled is the rest of the block (norms, with their ``SequenceParallel`` hooks traced,
+and the residual adds) and the regions run eagerly between the compiled pieces. What crosses
+into the compiled code from the eager DTensor code (a region's output; a vocabulary-parallel
+embedding's output, the input of a Llama's first decoder layer) is a plain tensor
+(``tp_attention.settled``). Before, the pending all-reduce's ``AsyncCollectiveTensor`` crossed,
+and AOT autograd's backward sent its gradient as a plain tensor into DTensor's redistribute
+backward (measured, torch 2.13, ``aot_eager``: ``'Tensor' object has no attribute
+'_local_tensor'``), which is why tp used to be refused.
 """
 
 from __future__ import annotations
@@ -59,29 +70,18 @@ def compile_kwargs(option: Any) -> dict[str, Any] | None:
 
 
 def check_compile_layout(kwargs: dict[str, Any] | None, pipeline_parallel_size: int, tensor_parallel_size: int = 1) -> None:
-    """Refuse ``compile_blocks`` where the blocks are traced into pipeline stages, and with tensor
-    parallelism: the attention runs in an eager DTensor region (``tp_attention.RegionForward``,
-    excluded from dynamo), and AOT autograd's backward of the compiled rest then receives plain
-    tensors where its traced graph expects DTensor gradients (measured: ``'Tensor' object has no
-    attribute '_local_tensor'`` in backward under ``aot_eager``; dynamo's capture alone works)."""
-    if kwargs is None:
+    """Refuse ``compile_blocks`` where the blocks are traced into pipeline stages (``torch.export``
+    of the first batch cannot trace a compiled block again). Every other layout compiles;
+    ``tensor_parallel_size`` is kept for the callers that pass the whole layout."""
+    del tensor_parallel_size  # tp compiles: the regions' outputs cross as plain tensors (module doc)
+    if kwargs is None or pipeline_parallel_size <= 1:
         return
-    refusals = [
-        (tensor_parallel_size > 1,
-         f"with tensor_parallel_size={tensor_parallel_size} the attention's DTensor region runs eagerly and the"
-         " compiled rest of the block cannot take its plain-tensor gradients (AOT autograd expects DTensors)",
-         "tensor parallelism"),
-        (pipeline_parallel_size > 1,
-         f"pipeline stages (pipeline_parallel_size={pipeline_parallel_size}) are graphs traced with torch.export"
-         " from the first batch, and a compiled block cannot be traced again",
-         "pipeline parallelism"),
-    ]
-    for refused, rule, axis in refusals:
-        if refused:
-            raise config_error(
-                ValueError, "compile_blocks", kwargs if kwargs else True, rule,
-                f"use compile_blocks=False with {axis}, or compile_blocks with dp, zero1-3, hsdp or ep",
-            )
+    raise config_error(
+        ValueError, "compile_blocks", kwargs if kwargs else True,
+        f"pipeline stages (pipeline_parallel_size={pipeline_parallel_size}) are graphs traced with torch.export"
+        " from the first batch, and a compiled block cannot be traced again",
+        "use compile_blocks=False with pipeline parallelism, or compile_blocks with dp, zero1-3, hsdp, tp or ep",
+    )
 
 
 def apply_compile(blocks: Sequence[tuple[str, nn.Module]], kwargs: dict[str, Any]) -> list[str]:

@@ -10,7 +10,10 @@ so optimizers built afterwards, ``state_dict`` and distributed checkpoints see t
 
 Inside an attention or MLP module (a "region": the parent of a row-parallel linear) the
 column-parallel outputs stay DTensors, which is what lets code that reshapes with the global
-head count run unchanged (see :mod:`lightning_parallel.parallel.tp_attention`).
+head count run unchanged (see :mod:`lightning_parallel.parallel.tp_attention`). What leaves a
+region or a sharded module outside one is a plain tensor, never the ``AsyncCollectiveTensor`` of
+a pending all-reduce (``tp_attention.settled``: AOT autograd mishandles it as the input of a
+compiled block, ``compile_blocks``).
 
 Sequence parallelism (``sequence_parallel=True``): between blocks the residual stream stays
 split along the sequence (dim 1, batch-first): norms run on their slice with replicated
@@ -60,6 +63,7 @@ from lightning_parallel.parallel.tp_attention import (
     RegionForward,
     gather_input_hook,
     install_region,
+    settle_output_hook,
     slice_output_hook,
 )
 from lightning_parallel.parallel.tp_experts import apply_experts_tensor_parallel
@@ -258,6 +262,9 @@ def apply_tensor_parallel(
         shared = getattr(module.get_submodule(first_mod), first_local)
         for mod_name, local in group[1:]:
             setattr(module.get_submodule(mod_name), local, shared)
+    for name in styles:  # outside regions (which settle their own outputs): plain tensors, not pending collectives
+        if _parent(name) not in plan.regions:
+            module.get_submodule(name).register_forward_hook(settle_output_hook)
     for param in {id(p): p for p in module.parameters()}.values():
         if isinstance(param, DTensor) and param.requires_grad:
             param.register_post_accumulate_grad_hook(_grad_to_param_layout)

@@ -22,7 +22,13 @@ so the code runs unchanged, and so does ``view(B, T, -1, hd)``, ``repeat_kv``, R
   because the fused (flash) CPU kernel has no DTensor sharding rule.
 
 A region's outputs leave as plain tensors, so code outside the region (residual adds, the
-user's loss) never meets a DTensor.
+user's loss) never meets a DTensor, nor the ``AsyncCollectiveTensor`` that a row-parallel
+output's (async) all-reduce or reduce-scatter returns: :func:`settled` waits for it inside the
+region. Why that matters: under ``compile_blocks`` the region's output is an input of the
+compiled rest of the block, and AOT autograd, which flattens a tensor-subclass input into its
+inner tensor, sent that input's gradient past DTensor's ``to_local`` backward straight into the
+all-reduce's backward, which needs a DTensor (measured, torch 2.13, ``aot_eager``:
+``'Tensor' object has no attribute '_local_tensor'``).
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ from torch.distributed.tensor.experimental import implicit_replication
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
-from lightning_parallel.compat import tree_flatten, tree_map
+from lightning_parallel.compat import AsyncCollectiveTensor, tree_flatten, tree_map
 from lightning_parallel.parallel.errors import config_error
 from lightning_parallel.parallel.tp_fused import split_packed
 
@@ -173,6 +179,36 @@ def full_value(value: Any) -> Any:
     return value
 
 
+class _Settle(torch.autograd.Function):
+    """``AsyncCollectiveTensor`` -> the plain tensor it stands for, waited for; the gradient as is."""
+
+    @staticmethod
+    def forward(ctx: Any, value: Tensor) -> Tensor:  # type: ignore[override]
+        done = value.wait()
+        return done.view_as(done)  # a fresh tensor: autograd writes its metadata into the output
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:  # type: ignore[override]
+        return grad
+
+
+def settled(value: Any) -> Any:
+    """A pending collective's result as a plain tensor (differentiably), everything else as is.
+
+    In eager mode this moves the wait from the value's first use to here: nothing for a region's
+    output (its first use, the residual add, comes next); on CUDA the wait orders the compute
+    stream after the collective's and does not block the host.
+    """
+    return _Settle.apply(value) if isinstance(value, AsyncCollectiveTensor) else value
+
+
+def settle_output_hook(module: nn.Module, args: Any, out: Any) -> Any:
+    """Forward hook of a tensor-parallel module outside a region (the vocabulary-parallel embedding,
+    the LM head): its pending all-reduce / all-gather as a plain tensor, as :func:`settled` says why
+    (a Llama's embedding output is the first compiled decoder layer's input)."""
+    return tree_map(settled, out)
+
+
 def gather_sequence(x: Tensor, mesh: DeviceMesh, dim: int = 1) -> Tensor:
     """Local sequence shard -> the full sequence on every rank (backward: the rank's slice)."""
     return DTensor.from_local(x, mesh, [Shard(dim)], run_check=False).redistribute(mesh, [Replicate()]).to_local()
@@ -241,7 +277,7 @@ class RegionForward:
             out = tree_map(full_value, out)
         if self.slice_output:
             out = _first_tensor_out(out, lambda y: slice_sequence(y, self.mesh))
-        return out
+        return tree_map(settled, out)
 
 
 def install_region(
@@ -288,6 +324,8 @@ __all__ = [
     "gather_sequence",
     "install_region",
     "local_sdpa",
+    "settle_output_hook",
+    "settled",
     "slice_output_hook",
     "slice_sequence",
 ]

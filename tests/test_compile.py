@@ -117,6 +117,9 @@ def test_compile_blocks_bad_input_and_pipelines_are_typed_errors() -> None:
     with pytest.raises(ValueError, match=r"`compile_blocks`.*pipeline_parallel_size=2.*traced"):
         HybridParallelStrategy(pipeline_parallel_size=2, tensor_parallel_size=2, compile_blocks=EAGER)
     HybridParallelStrategy(tensor_parallel_size=2, sequence_parallel=True, compile_blocks=EAGER)  # tp compiles
+    with pytest.raises(ValueError, match=r"`compile_blocks`.*tensor_parallel_size=2.*regions? runs eagerly.*fullgraph=True"
+                                         r".*HINT: drop 'fullgraph'"):
+        HybridParallelStrategy(tensor_parallel_size=2, compile_blocks={**EAGER, "fullgraph": True})
 
 
 def test_3d_with_compile_picks_tensor_parallelism_and_says_why_pipelines_are_refused(caplog: pytest.LogCaptureFixture) -> None:

@@ -20,12 +20,13 @@ is a typed error naming the fix). dp, ZeRO-1/2/3, HSDP, ep and tp (with or witho
 parallelism, alone or under dp / FSDP2) compile.
 
 Under tensor parallelism the block's graph breaks around each attention/MLP region
-(``tp_attention.RegionForward`` is excluded from dynamo: its dispatch mode is not traceable), so
-what is compiled is the rest of the block (norms, with their ``SequenceParallel`` hooks traced,
-and the residual adds) and the regions run eagerly between the compiled pieces. What crosses
-into the compiled code from the eager DTensor code (a region's output; a vocabulary-parallel
-embedding's output, the input of a Llama's first decoder layer) is a plain tensor
-(``tp_attention.settled``). Before, the pending all-reduce's ``AsyncCollectiveTensor`` crossed,
+(``tp_attention.RegionForward`` is excluded from dynamo: measured, dynamo cannot trace
+``implicit_replication``'s C setter ``_set_dtensor_allow_implicit_replication``), so what is
+compiled is the rest of the block (norms, with their ``SequenceParallel`` hooks traced, and the
+residual adds) and the regions, the bulk of a block's compute, run eagerly between the compiled
+pieces; ``fullgraph=True`` is therefore refused with tp. What crosses into the compiled code
+from the eager DTensor code (a region's output; a vocabulary-parallel embedding's output, the
+input of a Llama's first decoder layer) is a plain tensor (``tp_attention.settled``). Before, the pending all-reduce's ``AsyncCollectiveTensor`` crossed,
 and AOT autograd's backward sent its gradient as a plain tensor into DTensor's redistribute
 backward (measured, torch 2.13, ``aot_eager``: ``'Tensor' object has no attribute
 '_local_tensor'``), which is why tp used to be refused.
@@ -71,17 +72,25 @@ def compile_kwargs(option: Any) -> dict[str, Any] | None:
 
 def check_compile_layout(kwargs: dict[str, Any] | None, pipeline_parallel_size: int, tensor_parallel_size: int = 1) -> None:
     """Refuse ``compile_blocks`` where the blocks are traced into pipeline stages (``torch.export``
-    of the first batch cannot trace a compiled block again). Every other layout compiles;
-    ``tensor_parallel_size`` is kept for the callers that pass the whole layout."""
-    del tensor_parallel_size  # tp compiles: the regions' outputs cross as plain tensors (module doc)
-    if kwargs is None or pipeline_parallel_size <= 1:
+    of the first batch cannot trace a compiled block again), and ``fullgraph=True`` with tensor
+    parallelism: each attention/MLP region is a graph break by design (measured: dynamo raises
+    ``Unsupported: Skip inlining torch.compiler.disable()d function`` in the first forward)."""
+    if kwargs is None:
         return
-    raise config_error(
-        ValueError, "compile_blocks", kwargs if kwargs else True,
-        f"pipeline stages (pipeline_parallel_size={pipeline_parallel_size}) are graphs traced with torch.export"
-        " from the first batch, and a compiled block cannot be traced again",
-        "use compile_blocks=False with pipeline parallelism, or compile_blocks with dp, zero1-3, hsdp, tp or ep",
-    )
+    if pipeline_parallel_size > 1:
+        raise config_error(
+            ValueError, "compile_blocks", kwargs if kwargs else True,
+            f"pipeline stages (pipeline_parallel_size={pipeline_parallel_size}) are graphs traced with torch.export"
+            " from the first batch, and a compiled block cannot be traced again",
+            "use compile_blocks=False with pipeline parallelism, or compile_blocks with dp, zero1-3, hsdp, tp or ep",
+        )
+    if tensor_parallel_size > 1 and kwargs.get("fullgraph"):
+        raise config_error(
+            ValueError, "compile_blocks", kwargs,
+            f"with tensor_parallel_size={tensor_parallel_size} each attention/MLP region runs eagerly (DTensor"
+            " dispatch modes dynamo cannot trace), so a block is several graphs and fullgraph=True cannot hold",
+            "drop 'fullgraph' (or set it False) under tensor parallelism; the code between regions still compiles",
+        )
 
 
 def apply_compile(blocks: Sequence[tuple[str, nn.Module]], kwargs: dict[str, Any]) -> list[str]:

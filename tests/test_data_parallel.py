@@ -23,12 +23,51 @@ ACCUM = {"accumulate_grad_batches": 2}
 HYBRID = "lightning_parallel:HybridParallelStrategy"
 
 
-def _spec(strategy: Any, devices: int, trainer_kwargs: dict[str, Any]) -> FitSpec:
-    return FitSpec(model=MODEL, strategy=strategy, devices=devices, max_steps=5, trainer_kwargs=trainer_kwargs)
+def _spec(strategy: Any, devices: int, trainer_kwargs: dict[str, Any], callbacks: list[Any] | None = None) -> FitSpec:
+    return FitSpec(model=MODEL, strategy=strategy, devices=devices, max_steps=5, trainer_kwargs=trainer_kwargs,
+                   callbacks=callbacks or [])
 
 
 def _reference(spec: FitSpec) -> dict[str, Any]:
     return run_fit(dataclasses.replace(spec, strategy="auto", devices=1))
+
+
+class SyncMetricsOnStep:
+    """Callback: every torchmetrics object syncs per step (``dist_sync_on_step=True``), the user's
+    choice that makes a Metric's step value the single-process one on every rank. The strategy
+    leaves that flag to the user, as Lightning's DDP does, and only chooses the group (the
+    data-parallel ranks); parity tests that compare step values under dp > 1 ask for it."""
+
+    def __new__(cls) -> Any:
+        from lightning.pytorch import Callback
+        from torchmetrics import Metric
+
+        class _Sync(Callback):
+            def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+                for metric in pl_module.modules():
+                    if isinstance(metric, Metric):
+                        metric.dist_sync_on_step = True
+
+        return _Sync()
+
+
+STEP_SYNC = [("tests.test_data_parallel:SyncMetricsOnStep", {})]
+
+
+class MetricFlagProbe:
+    """Callback: at the end of fit, how many torchmetrics objects sync per step (a metric): the
+    strategy must leave the module's own ``dist_sync_on_step`` (False here) as it found it."""
+
+    def __new__(cls) -> Any:
+        from lightning.pytorch import Callback
+        from torchmetrics import Metric
+
+        class _Probe(Callback):
+            def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+                synced = sum(1 for m in pl_module.modules() if isinstance(m, Metric) and m.dist_sync_on_step)
+                trainer.callback_metrics["metrics_synced_per_step"] = torch.tensor(float(synced))
+
+        return _Probe()
 
 
 def assert_parity(
@@ -67,11 +106,13 @@ TWO_RANK_CASES: list[tuple[str, Any, dict[str, Any]]] = [
 
 
 def test_two_rank_presets_match_single_process() -> None:
-    specs = [_spec(strategy, 2, kwargs) for _, strategy, kwargs in TWO_RANK_CASES]
+    probe = [("tests.test_data_parallel:MetricFlagProbe", {})]
+    specs = [_spec(strategy, 2, kwargs, probe) for _, strategy, kwargs in TWO_RANK_CASES]
     results = run_distributed(run_fits, 2, specs, init_backend=None, timeout=400)
     for rank_results in results:  # every rank logs the same reduced values and holds the same full params
         for (label, _, _), spec, result in zip(TWO_RANK_CASES, specs, rank_results):
-            reference = _reference(spec)
+            assert result["metrics"].pop("metrics_synced_per_step") == 0, label  # the user's flag, not ours
+            reference = _reference(dataclasses.replace(spec, callbacks=[]))
             if "clip" in label:
                 assert max(reference["grad_norms"]) > 0.3, "the clipping threshold must actually clip"
             assert_parity(result, reference, label)

@@ -14,7 +14,7 @@ import pytest
 
 from lightning_parallel.testing import run_distributed
 from lightning_parallel.testing.parity import FitSpec, run_fits
-from tests.test_data_parallel import HYBRID, assert_parity
+from tests.test_data_parallel import HYBRID, STEP_SYNC, assert_parity
 
 MOE_SPEC = FitSpec(
     model="lightning_parallel.models:MoEGPT",
@@ -33,7 +33,8 @@ def _reference() -> dict[str, Any]:
 
 
 def _check(cases: list[tuple[str, dict[str, Any]]], devices: int) -> list[dict[str, Any]]:
-    specs = [dataclasses.replace(MOE_SPEC, strategy={"class": HYBRID, **kw}, devices=devices) for _, kw in cases]
+    # STEP_SYNC: the accuracy is logged per step, so its step value is compared only if it syncs per step
+    specs = [dataclasses.replace(MOE_SPEC, strategy={"class": HYBRID, **kw}, devices=devices, callbacks=STEP_SYNC) for _, kw in cases]
     results = run_distributed(run_fits, devices, specs, init_backend=None, timeout=500)
     reference = _reference()
     assert reference["metrics"]["moe_aux_loss"] > 0  # the auxiliary loss is really in play

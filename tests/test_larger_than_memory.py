@@ -53,7 +53,7 @@ def test_larger_than_memory_example_trains_under_zero3_and_pp() -> None:
 def test_embeddings_and_head_get_fsdp_units_of_their_own() -> None:
     """zero3's root unit stays gathered for the whole step: ``outer_units`` takes the embeddings and the
     head out of it (tied ones as one group, only embedding groups resharding after forward), and
-    leaves small modules (position tables, norms) in the root. (That tensor-parallel ones stay there too
+    leaves small modules (position tables, norms; under a quarter of a block) in the root. (That tensor-parallel ones stay there too
     needs a process group; not checked here.)"""
     import torch
 
@@ -68,7 +68,9 @@ def test_embeddings_and_head_get_fsdp_units_of_their_own() -> None:
         return [([names[id(m)] for m in group], reshards) for group, reshards in outer_units(model, blocks)]
 
     with torch.device("meta"):
-        gpt = GPT(vocab_size=256, block_size=16, n_layer=4, n_head=4, n_embd=128)
-        tied = HFCausalLM(family="gpt2")
-    assert units(gpt) == [(["tok_emb"], True), (["lm_head"], False)]  # pos_emb (2k of a 198k block) stays
-    assert units(tied) == [(["model.transformer.wte", "model.lm_head"], False), (["model.transformer.wpe"], True)]
+        gpt = GPT(vocab_size=1024, block_size=16, n_layer=4, n_head=4, n_embd=128)
+        small_vocab = GPT(vocab_size=256, block_size=16, n_layer=4, n_head=4, n_embd=128)
+        tied = HFCausalLM(family="gpt2", config={"vocab_size": 1024})
+    assert units(gpt) == [(["tok_emb"], True), (["lm_head"], False)]  # 131k each; pos_emb (2k of a 198k block) stays
+    assert units(small_vocab) == []  # 33k each, under a quarter of a block: a unit would cost more than it saves
+    assert units(tied) == [(["model.transformer.wte", "model.lm_head"], False)]  # wpe (2k of a 13k block) stays

@@ -31,12 +31,17 @@ being what one process holds for the whole model (target <= 1.1 for a balanced m
 
 The three paths run interleaved, step by step: after each of Lightning's steps (outside its
 timing) a callback steps the manual loop and our engine once, alternating their order, so all
-three see the same machine load at nearly the same moment (the machine may be shared).
+three see the same machine load at nearly the same moment (the machine may be shared). Each
+path's step starts on every rank together (a barrier outside the timing), so a rank's step time
+runs from the common start to that rank's end, and the slowest rank's is the step's critical
+path; without it the last stage's rank, which finishes before rank 0 (rank 0 runs the final
+backward), started the next path's step early and was charged the wait.
 ``--rounds`` repeats every configuration and keeps each path's fastest median. With more
 processes than free CPU cores (``p=4`` on 2 cores) ranks time-share cores and absolute times
 mean little; the ratios still compare like with like.
 
-Diagnostics: ``--profile PATH M SCHEDULE RANK`` prints cProfile's top 15 (cumulative) of one path
+Diagnostics: ``--profile PATH M SCHEDULE RANK`` prints cProfile's top 15 (cumulative; env
+``BENCH_SORT``/``BENCH_TOP`` change the order and count, ``BENCH_CALLERS=regex`` adds the callers) of one path
 on one rank over the steps after warm-up instead of the table. ``--codegen`` makes our traced
 stage submodules run their generated Python code instead of ``torch.fx.Interpreter`` (see
 :func:`_codegen`; the library is not changed by it), which shows how much of our overhead is
@@ -155,6 +160,7 @@ class _Runner:
         profiling = self.prof is not None and i >= self.args.warmup
         if profiling:
             self.prof.enable()
+        dist.barrier()  # every path's step starts on all ranks together (see _Interleave)
         start = time.perf_counter()
         loss = self.step(x, y)
         self.times.append(time.perf_counter() - start)
@@ -254,6 +260,10 @@ class _Interleave(pl.Callback):
         order = self.others if batch_idx % 2 == 0 else self.others[::-1]  # no path always runs right after another
         for runner in order:
             runner.run(batch_idx)
+        # All ranks start the next step together: without this a path's step on the last stage's
+        # rank would include the previous path's skew (that rank finishes its step before rank 0,
+        # which runs the final backward), and a step ending in a collective would be charged it.
+        dist.barrier()
         self._last = time.perf_counter()
 
 
@@ -335,7 +345,9 @@ def _profile_worker(args: argparse.Namespace, path: str, m: int, schedule: str, 
     if prof is None:
         return ""
     text = io.StringIO()
-    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(15)
+    pstats.Stats(prof, stream=text).sort_stats(os.environ.get("BENCH_SORT", "cumulative")).print_stats(int(os.environ.get("BENCH_TOP", "15")))
+    if os.environ.get("BENCH_CALLERS"):
+        pstats.Stats(prof, stream=text).print_callers(os.environ["BENCH_CALLERS"])
     return text.getvalue()
 
 

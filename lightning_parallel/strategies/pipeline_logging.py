@@ -146,7 +146,7 @@ class LogCapture:
                     ValueError, "self.log", name, "the metric was logged before it was called on this step's data", "call metric(preds, target) before self.log(name, metric)"
                 )
         if isinstance(value, Tensor):
-            tensor = value.detach().cpu()
+            tensor = value.detach()  # stays on its device: one copy to the host per step (_broadcast), not one per microbatch
         elif isinstance(value, numbers.Number):
             tensor = torch.tensor(float(value))
         else:
@@ -183,8 +183,9 @@ def reduce_microbatch_logs(per_microbatch: list[tuple[list[LogRecord], int]]) ->
     out = []
     for name, items in grouped.items():
         first = items[0][0]
-        values = torch.stack([r.value.double().reshape(()) if r.value.numel() == 1 else r.value.double() for r, _ in items])
-        weights = torch.tensor([w for _, w in items], dtype=torch.float64)
+        device = next((r.value.device for r, _ in items if r.value.device.type != "cpu"), torch.device("cpu"))
+        values = torch.stack([(r.value.reshape(()) if r.value.numel() == 1 else r.value).to(device, torch.float64) for r, _ in items])
+        weights = torch.tensor([w for _, w in items], dtype=torch.float64, device=device)
         how = _reducer(first.kwargs.get("reduce_fx", "mean"))
         if how == "sum":
             value = values.sum(0)

@@ -2,8 +2,8 @@
 
 For each strategy (and Lightning's own ``auto``/``ddp`` on the same model as the baseline), spawned
 ranks train the package's GPT through ``Trainer`` for ``--steps`` steps in ``--precision``
-(``bf16-mixed`` by default) with ``compile_blocks`` where the strategy allows it (dp, ZeRO, ep;
-not tp or pp, which refuse it: see ``parallel/compile.py``). Per strategy it prints the median
+(``bf16-mixed`` by default) with ``compile_blocks`` where the strategy allows it (dp, ZeRO, ep, tp;
+not pp, which refuses it: see ``parallel/compile.py``). Per strategy it prints the median
 step time after ``--warmup`` steps, tokens/s over all ranks, the busiest rank's
 ``torch.cuda.max_memory_allocated`` during training, MFU (model FLOPs ``6 N + 12 L h s`` per token
 over the device's dense bf16 peak from ``parallel/hardware.py``), and each ratio to the baseline.
@@ -42,7 +42,7 @@ LAYOUTS: list[tuple[str, Any, bool, int]] = [
     ("zero1", "zero1", True, 2),
     ("zero2", "zero2", True, 1),
     ("zero3", "zero3", True, 1),
-    ("tp", "tp", False, 2),
+    ("tp", "tp", True, 2),
     ("pp", "pp", False, 2),
     ("3d", "3d", False, 4),
 ]

@@ -3,7 +3,7 @@
 The planner itself (:mod:`lightning_parallel.parallel.planner`) is pure torch; this is the Lightning
 side: which hardware profile the accelerator is, the compute dtype the Trainer's precision
 means, the options the user fixed, and the engine's own rules (a layout the strategy would refuse,
-e.g. ``compile_blocks`` with tensor or pipeline parallelism, or a Trainer precision pipelines do
+e.g. ``compile_blocks`` with pipeline parallelism, or a Trainer precision pipelines do
 not run, is rejected with the strategy's own message, not chosen and then refused).
 """
 

@@ -59,7 +59,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 # --- functional collectives -----------------------------------------------------------------
 # Why: DTensor redistributions return AsyncCollectiveTensor, which waits on first use; a value
-# crossing a pipeline stage must be waited for before the send; the tests' collective recorder
+# crossing a pipeline stage must be waited for before the send, and one entering a compiled block
+# (tp_attention.settled) before AOT autograd sees it; the tests' collective recorder
 # wraps the module's functions (DTensor's redistributions call them). Since: 2.4. Public: none yet.
 from torch.distributed import _functional_collectives as functional_collectives
 from torch.distributed._functional_collectives import AsyncCollectiveTensor

@@ -115,14 +115,15 @@ def assert_tensor_metadata_op() -> Any:
     return torch.ops.aten._assert_tensor_metadata.default
 
 
-def foreach_norm(tensors: Sequence[Tensor]) -> list[Tensor]:
-    """``torch._foreach_norm``: the 2-norm of each tensor in one fused pass.
+def foreach_norm(tensors: Sequence[Tensor], ord: float = 2.0, dtype: torch.dtype | None = None) -> list[Tensor]:
+    """``torch._foreach_norm``: the ``ord``-norm of each tensor in one fused pass (in ``dtype``).
 
-    Why: the non-finite guard checks every gradient every step. Since: 2.4 (far older).
-    Public: ``torch.linalg.vector_norm`` per tensor (slower: one kernel each), or
+    Why: the non-finite guard checks every gradient every step, and global-norm clipping needs
+    each local shard's norm per group of mesh axes. Since: 2.4 (``dtype``: 2.5). Public:
+    ``torch.linalg.vector_norm`` per tensor (slower: one kernel each), or
     ``torch.nn.utils.get_total_norm(foreach=True)`` (2.6) when only the total is needed.
     """
-    return list(torch._foreach_norm(list(tensors)))
+    return list(torch._foreach_norm(list(tensors), ord, dtype=dtype))
 
 
 def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:

@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
+from lightning_parallel.compat import foreach_norm
+
 _Group = dist.ProcessGroup | None
 
 
@@ -51,6 +53,7 @@ def total_norm(
             raise ValueError("total_norm: this rank holds no parameter but reduces over extra_groups; pass device="
                              " (the device those process groups serve: the strategy's root device)")
         device = torch.device("cpu")  # nothing to reduce: a plain zero
+    locals_by_groups: dict[tuple[dist.ProcessGroup, ...], list[torch.Tensor]] = {}
     for grad in grads:
         groups: tuple[dist.ProcessGroup, ...] = ()
         local = grad
@@ -58,12 +61,17 @@ def total_norm(
             if any(p.is_partial() for p in grad.placements):  # pending sums: reduce before the norm
                 grad = grad.redistribute(grad.device_mesh, [Replicate() if p.is_partial() else p for p in grad.placements])
             groups, local = _shard_groups(grad), grad.to_local()
-        local = local.detach().float()
-        value = local.abs().max() if inf else local.norm(norm_type) ** norm_type
-        if local.numel() == 0:
-            value = torch.zeros((), device=device)
-        acc = buckets.get(groups)
-        buckets[groups] = value if acc is None else (torch.maximum(acc, value) if inf else acc + value)
+        tensors = locals_by_groups.setdefault(groups, [])
+        if local.numel() > 0:  # an empty shard adds 0 (and the fused inf-norm refuses it)
+            tensors.append(local.detach())
+    for groups, tensors in locals_by_groups.items():
+        # One fused pass per group of axes (one kernel launch per device and dtype, not one per
+        # tensor), accumulated in fp32 whatever the gradients' dtype.
+        if not tensors:
+            buckets[groups] = torch.zeros((), device=device)
+            continue
+        norms = torch.stack([n.to(device) for n in foreach_norm(tensors, norm_type, torch.float32)])
+        buckets[groups] = norms.max() if inf else (norms ** norm_type).sum()
     op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
     result = torch.zeros((), device=device)
     for groups, value in buckets.items():

@@ -208,5 +208,12 @@ class ParallelDims:
         return axes[name]
 
     def data_parallel_mesh(self) -> DeviceMesh:
-        """The 2D (dp_replicate, dp_shard) mesh that FSDP2 / HSDP shard over."""
+        """The mesh FSDP2 shards over: 2D (dp_replicate, dp_shard) for HSDP and for replication
+        without sharding (dp_shard 1: all-reduce only), 1D dp_shard when nothing is replicated.
+
+        Why not always 2D: FSDP2 treats any 2D mesh as HSDP and all-reduces every unit's gradient
+        over the replicate axis after its reduce-scatter, also when that axis has one rank (a
+        collective per unit and step that moves nothing: 5 per step on a 4-block GPT)."""
+        if self.dp_replicate == 1 and self.dp_shard > 1:
+            return self.mesh[DP_SHARD]
         return self.mesh[(DP_REPLICATE, DP_SHARD)]

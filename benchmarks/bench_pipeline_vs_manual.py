@@ -9,8 +9,11 @@ stage, ``ln_f`` and ``lm_head`` with the last), the same initial weights, the sa
 (global batch ``--batch``, cut into ``m`` microbatches) and the same number of steps:
 
 * **lightning**: what a user runs, ``Trainer(strategy=HybridParallelStrategy(pipeline_parallel_size=p,
-  pipeline_schedule=..., microbatches=m))`` fitting the unchanged GPT LightningModule (its
-  ``training_step`` runs per microbatch as the loss, with its ``self.log`` and accuracy metric).
+  pipeline_schedule=..., microbatches=m))`` fitting an unchanged LightningModule whose
+  ``training_step`` runs per microbatch as the loss: by default (``--module plain``) the GPT with
+  a step that computes and logs the cross-entropy, what the other paths compute; ``--module
+  package`` fits the package's GPT as it is, which also updates a torchmetrics accuracy per
+  microbatch and logs with ``sync_dist=True`` (user code the other paths do not run).
   Step time = the time between consecutive ``on_train_batch_end`` calls (everything Lightning does
   per batch, data loading included).
 * **engine**: our engine alone, no Lightning: ``trace_pipeline`` + ``build_pipeline`` +
@@ -86,9 +89,23 @@ MANUAL_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 LR, MOMENTUM = 0.1, 0.9
 
 
-def _gpt(args: argparse.Namespace) -> GPT:
+class PlainGPT(GPT):
+    """The GPT whose training step computes what the other two paths compute: the cross-entropy,
+    logged once per step (``--module plain``). The package's own GPT (``--module package``) also
+    updates a torchmetrics accuracy on every microbatch and logs with ``sync_dist=True``: the
+    user's code, which the hand-written loop does not run, not the strategy's overhead."""
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        loss = _lm_loss(self(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+
+def _gpt(args: argparse.Namespace, lightning: bool = False) -> GPT:
     torch.manual_seed(0)
-    return GPT(vocab_size=args.vocab, block_size=args.block, n_layer=args.layers, n_head=args.heads, n_embd=args.embd,
+    cls = PlainGPT if lightning and args.module == "plain" else GPT
+    return cls(vocab_size=args.vocab, block_size=args.block, n_layer=args.layers, n_head=args.heads, n_embd=args.embd,
                lr=LR, optimizer="sgd", momentum=MOMENTUM)
 
 
@@ -271,7 +288,7 @@ def run_lightning(args: argparse.Namespace, m: int, schedule: str, others: list[
                   prof: Any = None) -> dict[str, Any]:
     pp = dist.get_world_size()
     x_all, y_all = _data(args)
-    model = _gpt(args)
+    model = _gpt(args, lightning=True)
     callback = _Interleave(others, args.warmup)
     callback.prof = prof
     trainer = pl.Trainer(
@@ -365,6 +382,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=1, help="repeat every path; keep each path's fastest median")
+    parser.add_argument("--module", choices=("plain", "package"), default="plain",
+                        help="the LightningModule of the lightning path: plain (cross-entropy, logged) or the package's GPT"
+                             " (adds a torchmetrics accuracy per microbatch and sync_dist logging)")
     parser.add_argument("--codegen", action="store_true",
                         help="diagnostic: run our traced stages with generated code instead of fx.Interpreter (see _codegen)")
     parser.add_argument("--profile", nargs=4, metavar=("PATH", "M", "SCHEDULE", "RANK"),

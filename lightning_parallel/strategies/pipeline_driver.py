@@ -84,6 +84,7 @@ from lightning_parallel.strategies.pipeline_logging import (
     StepDone,
     detached_cpu,
     forward_twice_error,
+    metric_names,
     model_calls,
     other_calls_error,
     patched,
@@ -194,6 +195,7 @@ class PipelineDriver:
         self._entry: Entry | None = None  # the call the stages were traced from (forward or self.<child>)
         self._step: _TrainStep | None = None
         self._stash: list[tuple[nn.Parameter, Tensor]] = []
+        self._metric_table: dict[int, str] | None = None  # id -> name of the module's Metrics (see _with_output)
         self._keepers: dict[str, int] = {}
         self._pending_load: tuple[Path, bool] | None = None  # a checkpoint to read once the stages exist
         self._moe = bool(opaque_units(module))
@@ -345,7 +347,9 @@ class PipelineDriver:
 
     def _with_output(self, hook: str, out: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, LogCapture]:
         """Run the user's ``hook`` with ``forward`` returning ``out`` (the last stage's output)."""
-        capture = LogCapture(self.module)
+        if self._metric_table is None:  # the module's Metrics do not change during fit
+            self._metric_table = metric_names(self.module)
+        capture = LogCapture(self.module, self._metric_table)
         calls = [0]
         entry = self._entry
         assert entry is not None, "the stages are traced before they produce output"

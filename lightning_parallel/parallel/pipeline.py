@@ -264,7 +264,7 @@ class PipelineRuntime:
 
     Every rank of the pipeline group calls the same methods with the same (full) batch: the
     runtime validates it everywhere, then feeds it to the first stage and the target to the
-    last. ``target`` defaults to the row indices ``arange(B)``, so a ``loss_fn(output, rows)``
+    last. ``target`` defaults to the row indices ``arange(B)`` (a CPU tensor), so a ``loss_fn(output, rows)``
     can look the rest of the batch up itself (how a LightningModule's ``training_step`` serves
     as the loss).
     """
@@ -375,13 +375,17 @@ class PipelineRuntime:
         first = first_batched(args, kwargs)
         check_batch_size(int(first.shape[0]), self.microbatches, self.microbatch_size)
         if target is None:
-            target = torch.arange(first.shape[0], device=first.device)
+            # On the host whatever the batch's device: the loss reads each microbatch's rows as
+            # Python ints (slice_batch), which on a CUDA tensor would be two syncs per microbatch.
+            target = torch.arange(first.shape[0])
         if not self.holds_first:
             args, kwargs = (), {}
         return args, kwargs, target if self.holds_last else None
 
-    def train_step(self, *args: Any, target: Any = None, **kwargs: Any) -> Tensor:
-        """Forward and backward of one batch through the pipeline; returns the full-batch loss on every rank.
+    def train_step(self, *args: Any, target: Any = None, broadcast_loss: bool = True, **kwargs: Any) -> Tensor:
+        """Forward and backward of one batch through the pipeline; returns the full-batch loss on every rank
+        (``broadcast_loss=False``: on the last stage's rank only, zero elsewhere, for a caller that
+        sends it with something else in one collective).
 
         Gradients are added to ``.grad`` (nothing is zeroed), as one ``loss.backward()`` would.
         """
@@ -397,7 +401,8 @@ class PipelineRuntime:
         if self.holds_last:
             stacked = torch.stack([l.detach().float().to(device) for l in self._mb_losses])
             loss = stacked.mean() if self._reduction == "mean" else stacked.sum()
-        dist.broadcast(loss, src=self._last_rank, group=self.group)
+        if broadcast_loss:
+            dist.broadcast(loss, src=self._last_rank, group=self.group)
         return loss
 
     def _sum_shared_grads(self, params: dict[str, nn.Parameter], before: dict[str, Tensor | None]) -> None:

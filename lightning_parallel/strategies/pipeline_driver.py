@@ -399,7 +399,7 @@ class PipelineDriver:
         try:
             # A microbatch's loss is scaled by 1 / (microbatches x accumulate): so are its MoE balance losses.
             with moe_losses_to_backward(1.0 / (self.config.microbatches * accumulate)) as moe_losses:
-                loss = runtime.train_step(*probe[0], **probe[1])
+                loss = runtime.train_step(*probe[0], broadcast_loss=False, **probe[1])
             self._average_over_data_parallel(params)
             records = reduce_microbatch_logs(self._step.records) if runtime.holds_last else None
         finally:
@@ -407,7 +407,8 @@ class PipelineDriver:
             self._stash = [(p, p.grad) for p in params if p.grad is not None]
             for p, g in zip(params, previous):
                 p.grad = g
-        replay_logs(module, self._broadcast(records), self.device)
+        records, loss = self._broadcast((records, loss))  # the logs and the loss in one collective
+        replay_logs(module, records, self.device)
         if self._moe:
             self._log_moe(moe_losses)
         return (loss * accumulate).to(self.device).detach().requires_grad_(True)

@@ -124,8 +124,9 @@ def outer_units(root: nn.Module, blocks: Sequence[nn.Module], min_fraction: floa
     copy-in and copy-out, an all-gather and a reduce-scatter per step; measured 1.4-3.8 ms per unit
     and step on two CPU ranks with gloo), while what it saves at the peak is about twice its size,
     against the three to four blocks FSDP2 holds there; below a quarter of a block that is under
-    an eighth of that working set. (Measured on the ZeRO-3 benchmark's GPT, 4 x 256, vocabulary
-    512, where embedding and head are 0.17 of a block: two units more cost 5% of the step.)
+    an eighth of that working set. (On the ZeRO-3 benchmark's GPT, 4 x 256, vocabulary 512,
+    embedding and head are 0.17 of a block each: their two units cost about 2.5% of the step's CPU
+    time, measured once on a loaded machine.)
 
     Kept in the root instead: modules sharing a parameter with the root's own parameters or a
     block; and tensor-parallel modules (DTensor parameters), whose outputs are views: an in-place

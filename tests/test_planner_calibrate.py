@@ -62,6 +62,16 @@ def _step_times(profile: object) -> dict[str, float]:
     return out
 
 
+def test_zero3_unit_overhead_is_never_below_zero2s() -> None:
+    """A ZeRO-3 unit does a ZeRO-2 unit's work and gathers again: a noisy calibration that measures
+    it cheaper is raised to ZeRO-2's figure, per unit and per tensor (only then)."""
+    noisy = {**RAW, "fsdp_unit": {2: 3.0e-3, 3: 2.0e-3}, "fsdp_unit_wide": {2: 3.9e-3, 3: 2.3e-3}}
+    d, clean = derive(noisy), derive(RAW)
+    assert d["fsdp_unit_overhead"][3] == d["fsdp_unit_overhead"][2] > 0
+    assert d["fsdp_tensor_overhead"][3] == d["fsdp_tensor_overhead"][2] > 0
+    assert clean["fsdp_unit_overhead"][3] > clean["fsdp_unit_overhead"][2]  # untouched when already ordered
+
+
 def test_each_measured_overhead_moves_its_own_layouts() -> None:
     base = _step_times(_profile())
     fsdp = _step_times(_profile(fsdp_unit_overhead={2: 1e-3, 3: 2e-3}, fsdp_tensor_overhead={2: 1e-4, 3: 2e-4}))

@@ -45,7 +45,6 @@ def total_norm(
     parameters = list(parameters)
     grads = [p.grad for p in parameters if p.grad is not None]
     inf = norm_type == float("inf")
-    buckets: dict[tuple[dist.ProcessGroup, ...], torch.Tensor] = {}
     extra_groups = list(extra_groups)
     device = grads[0].device if grads else parameters[0].device if parameters else device
     if device is None:
@@ -53,7 +52,7 @@ def total_norm(
             raise ValueError("total_norm: this rank holds no parameter but reduces over extra_groups; pass device="
                              " (the device those process groups serve: the strategy's root device)")
         device = torch.device("cpu")  # nothing to reduce: a plain zero
-    locals_by_groups: dict[tuple[dist.ProcessGroup, ...], list[torch.Tensor]] = {}
+    by_groups: dict[tuple[dist.ProcessGroup, ...], list[torch.Tensor]] = {}  # local shards per sharding axes
     for grad in grads:
         groups: tuple[dist.ProcessGroup, ...] = ()
         local = grad
@@ -61,20 +60,16 @@ def total_norm(
             if any(p.is_partial() for p in grad.placements):  # pending sums: reduce before the norm
                 grad = grad.redistribute(grad.device_mesh, [Replicate() if p.is_partial() else p for p in grad.placements])
             groups, local = _shard_groups(grad), grad.to_local()
-        tensors = locals_by_groups.setdefault(groups, [])
+        tensors = by_groups.setdefault(groups, [])
         if local.numel() > 0:  # an empty shard adds 0 (and the fused inf-norm refuses it)
             tensors.append(local.detach())
-    for groups, tensors in locals_by_groups.items():
-        # One fused pass per group of axes (one kernel launch per device and dtype, not one per
-        # tensor), accumulated in fp32 whatever the gradients' dtype.
-        if not tensors:
-            buckets[groups] = torch.zeros((), device=device)
-            continue
-        norms = torch.stack([n.to(device) for n in foreach_norm(tensors, norm_type, torch.float32)])
-        buckets[groups] = norms.max() if inf else (norms ** norm_type).sum()
     op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
     result = torch.zeros((), device=device)
-    for groups, value in buckets.items():
+    for groups, tensors in by_groups.items():
+        value = torch.zeros((), device=device)
+        if tensors:  # one fused pass (a kernel per device and dtype, not per tensor), in fp32 whatever the dtype
+            norms = torch.stack([n.to(device) for n in foreach_norm(tensors, norm_type, torch.float32)])
+            value = norms.max() if inf else (norms ** norm_type).sum()
         for group in groups:
             dist.all_reduce(value, op=op, group=group)
         result = torch.maximum(result, value) if inf else result + value

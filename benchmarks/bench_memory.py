@@ -17,11 +17,14 @@ stages in the first step, so for them the second point includes it) and after th
   allocator's caching and everything that is not a tensor);
 * the parameters and gradients each rank holds after the last step (local storage).
 
-Ideal share per rank: ``(P + G) / ranks`` (``P + G`` for ``ddp``, which replicates). Printed per
-layout (worst rank): each number and its ratio to the share. The set-up peak and the held state
-are the model-state figures the 1.15 x target is about; the training peak also holds activations
-and the layout's transient copies (FSDP2's gathered blocks, pipeline buffers), which are printed
-as they are rather than folded into an "ideal".
+Share per rank: ``(P + G) / ranks`` (``P + G`` for ``ddp``, which replicates). The ideal, as the
+issue defines it, is the share plus the activations the layout keeps: measured per rank on the run
+itself (``SavedActivations``: the peak bytes autograd saves for backward, parameters excluded),
+so each layout's own batch split, tensor sharding and microbatches in flight count. Printed per
+layout (worst rank): the set-up peak against the share (nothing is saved for backward there), the
+training peak against the share and against the ideal, the activations, the held state. What a
+training peak holds beyond its ideal is the layout's transient copies (FSDP2's gathered blocks
+and unsharded gradients, pipeline buffers) and the step's temporaries.
 
 Run: ``python benchmarks/bench_memory.py`` (default: P = 1025 MiB. Heavy: ``ddp`` peaks at 3.2 GiB
 RSS per rank, 13 GiB for 4 ranks, our layouts at 0.9-2.7 GiB per rank; each layout took 1-4 min
@@ -130,6 +133,47 @@ class LiveBytes:
         torch.UntypedStorage.resize_ = self._resize  # type: ignore[method-assign]
 
 
+class SavedActivations:
+    """Peak bytes of what autograd keeps for backward, parameters excluded: the activations a
+    layout keeps (the issue's "plus the activations the layout keeps"), measured on the run
+    itself, so each layout's own batch split, tensor sharding and in-flight microbatches count.
+
+    A ``saved_tensors_hooks`` pack hook sees every tensor saved for backward; its storage is
+    counted once while it lives (DTensors: their local tensor). Parameters and views of them
+    (a linear layer saves its weight; FSDP2's gathered parameters are ``nn.Parameter`` too) are
+    model state or the layout's transient copies, not activations, and are left out."""
+
+    def __init__(self) -> None:
+        self.live: dict[int, int] = {}
+        self.current = self.peak = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        base = tensor._base if tensor._base is not None else tensor
+        if isinstance(tensor, torch.nn.Parameter) or isinstance(base, torch.nn.Parameter):
+            return tensor
+        local = getattr(tensor, "_local_tensor", tensor)
+        if local.device.type != "meta":
+            storage = local.untyped_storage()
+            key = storage._cdata
+            if key not in self.live:
+                self.live[key] = storage.nbytes()
+                self.current += self.live[key]
+                self.peak = max(self.peak, self.current)
+                weakref.finalize(storage, self._free, key)
+        return tensor
+
+    def _free(self, key: int) -> None:
+        self.current -= self.live.pop(key, 0)
+
+    def __enter__(self) -> SavedActivations:
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._hooks.__exit__(*exc)
+
+
 def _worker(args: argparse.Namespace, layout: str) -> dict[str, Any]:
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader, DistributedSampler
@@ -142,10 +186,11 @@ def _worker(args: argparse.Namespace, layout: str) -> dict[str, Any]:
     _reset_peak_rss()
     base_rss = _status("VmRSS")
     tracker = LiveBytes()
+    saved = SavedActivations()
     points: dict[str, dict[str, Any]] = {}
 
     def snapshot() -> dict[str, Any]:
-        return {"tracked": tracker.peak, "rss": _status("VmHWM") - base_rss}
+        return {"tracked": tracker.peak, "rss": _status("VmHWM") - base_rss, "activations": saved.peak}
 
     class Points(pl.Callback):
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
@@ -163,7 +208,7 @@ def _worker(args: argparse.Namespace, layout: str) -> dict[str, Any]:
 
     kwargs = {"vocab_size": args.vocab, "block_size": args.block, "n_layer": args.layers, "n_head": args.heads,
               "n_embd": args.width, "lr": 1e-3}
-    with tracker:
+    with tracker, saved:
         trainer = pl.Trainer(accelerator="cpu", devices=args.ranks, strategy=_make_strategy(LAYOUTS[layout]),
                              max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                              enable_model_summary=False, num_sanity_val_steps=0, use_distributed_sampler=False,
@@ -213,19 +258,24 @@ def main() -> None:
     print(f"GPT {args.layers} x {args.width}, vocab {args.vocab}: fp32 parameters P = {P / mib:.0f} MiB; "
           f"{args.ranks} ranks, SGD (model state = P + grads)")
     print(f"{'layout':9} {'mesh':44} {'set-up MiB':>10} {'x share':>7} {'train MiB':>9} {'x share':>7} "
-          f"{'params+grads MiB':>16} {'x share':>7} {'RSS set-up/train MiB':>20}")
+          f"{'activ. MiB':>10} {'x ideal':>7} {'params+grads MiB':>16} {'x share':>7} {'RSS set-up/train MiB':>20}")
     for layout in args.layouts.split(","):
         results = run_distributed(_worker, args.ranks, args, layout, init_backend=None, timeout=3000)
         share = 2 * P if layout == "ddp" else 2 * P / args.ranks  # params + grads per rank, ideally
         setup = max(r["points"]["setup"]["tracked"] for r in results)
         train = max(r["points"]["train"]["tracked"] for r in results)
+        kept = max(r["points"]["train"]["activations"] for r in results)
+        # ideal per rank: the share plus the activations that rank's layout keeps; worst rank's ratio
+        ideal = max(r["points"]["train"]["tracked"] / (share + r["points"]["train"]["activations"]) for r in results)
         state = max(r["points"]["state"]["params"] + r["points"]["state"]["grads"] for r in results)
         rss = (max(r["points"]["setup"]["rss"] for r in results), max(r["points"]["train"]["rss"] for r in results))
         print(f"{layout:9} {results[0]['dims'][:44]:44} {setup / mib:10.0f} {setup / share:7.2f} {train / mib:9.0f} "
-              f"{train / share:7.2f} {state / mib:16.0f} {state / share:7.2f} {rss[0] / mib:9.0f}/{rss[1] / mib:.0f}"
-              f"   loss {results[0]['loss']:.4f}", flush=True)
-    print("share = (P + grads) / ranks (ddp: P + grads, it replicates); worst rank per column. The training peak"
-          " also holds activations and a layout's transient copies (FSDP2's gathered blocks, pipeline buffers).")
+              f"{train / share:7.2f} {kept / mib:10.0f} {ideal:7.2f} {state / mib:16.0f} {state / share:7.2f} "
+              f"{rss[0] / mib:9.0f}/{rss[1] / mib:.0f}   loss {results[0]['loss']:.4f}", flush=True)
+    print("share = (P + grads) / ranks (ddp: P + grads, it replicates); activ. = peak bytes autograd saved for backward"
+          " (parameters excluded); ideal = share + that rank's activations (the set-up keeps none: its ideal is the"
+          " share); worst rank per column. The rest of a training peak is the layout's transient copies (FSDP2's"
+          " gathered blocks and unsharded gradients, pipeline buffers) and the step's temporaries.")
 
 
 if __name__ == "__main__":

@@ -264,10 +264,6 @@ class _Interleave(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last = time.perf_counter()
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
-        if self.prof is not None and batch_idx >= self.warmup:
-            self.prof.enable()
-
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         self.times.append(time.perf_counter() - self._last)  # data loading and every Lightning hook included
@@ -281,6 +277,8 @@ class _Interleave(pl.Callback):
         # rank would include the previous path's skew (that rank finishes its step before rank 0,
         # which runs the final backward), and a step ending in a collective would be charged it.
         dist.barrier()
+        if self.prof is not None and batch_idx + 1 >= self.warmup:  # the timed window: data loading included
+            self.prof.enable()
         self._last = time.perf_counter()
 
 

@@ -259,7 +259,7 @@ TWO_RANK_SITES = {
     "strategies/hybrid.py:barrier", "strategies/hybrid.py:broadcast",
     "strategies/checkpoint.py:begin_sharded_save", "strategies/checkpoint.py:save_sharded",
     "strategies/resume.py:gather_rng_states",
-    "strategies/pipeline_driver.py:_build", "strategies/pipeline_driver.py:_broadcast",
+    "strategies/pipeline_driver.py:_build", "strategies/log_exchange.py:__call__",
     "strategies/pipeline_driver.py:gather_state",
     "strategies/pipeline_checkpoint.py:_to_rank0", "strategies/pipeline_checkpoint.py:receive",
 }
@@ -281,12 +281,14 @@ def test_four_rank_hsdp_and_3d_hand_collectives_tensors_on_their_device() -> Non
         ("hsdp", dataclasses.replace(GPT, strategy=_hybrid(zero_stage=3, hybrid_shard=True, data_parallel_replicate_size=2),
                                      devices=4)),
         ("pp2 x tp2", dataclasses.replace(GPT, strategy=_hybrid(pipeline_parallel_size=2, tensor_parallel_size=2), devices=4)),
-        ("dp2 x pp2", dataclasses.replace(GPT, strategy=_hybrid(pipeline_parallel_size=2, data_parallel_size=2), devices=4)),
+        ("dp2 x pp2", dataclasses.replace(GPT, strategy=_hybrid(pipeline_parallel_size=2, data_parallel_size=2), devices=4,
+                                          validate=True)),  # and the evaluation step's broadcast
         ("ep2 x edp2", dataclasses.replace(MOE, strategy=_hybrid(expert_parallel_size=2), devices=4)),
     ]
     fits = _run(cases, 4, timeout=500)["fits"]
     assert any(len(c["ranks"]) == 2 for c in fits["hsdp"][0]["calls"]), "hsdp's sub-groups are recorded"
     reached = _sites([fit for per_rank in fits.values() for fit in per_rank])
-    expected = {"strategies/pipeline_driver.py:_average_over_data_parallel", "strategies/experts.py:reduce_expert_grads",
+    expected = {"strategies/pipeline_driver.py:_average_over_data_parallel", "strategies/pipeline_driver.py:_broadcast",
+                "strategies/experts.py:reduce_expert_grads",
                 "parallel/pipeline_tp.py:_reduced"}
     assert expected <= reached, f"call sites not reached: {sorted(expected - reached)}"

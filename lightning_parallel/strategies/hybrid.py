@@ -283,6 +283,7 @@ class HybridParallelStrategy(ParallelStrategy):
         self._num_nodes = 1
         self._dims: ParallelDims | None = None
         self._checkpointed_blocks: list[str] = []
+        self.train_batch_idx: int | None = None  # the training batch in progress (see on_train_batch_start)
 
     # ------------------------------------------------------------------ topology
     @property
@@ -639,6 +640,13 @@ class HybridParallelStrategy(ParallelStrategy):
         return report.replaced
 
     # ------------------------------------------------------------------ steps
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Remember the batch index: a pipeline step predicts from it whether Lightning's zero_grad
+        follows (``PipelineDriver._zeroed_before_backward``), as Lightning decides it."""
+        self.train_batch_idx = batch_idx
+        super().on_train_batch_start(batch, batch_idx)
+
     @property
     def _engine(self) -> StepEngine:
         """The step engine of the applied layout (``strategies/engine.py``): eager, or the pipeline's."""

@@ -15,6 +15,8 @@ user's hooks fit around it (see :mod:`.pipeline_logging` for how the step code r
   then calls ``zero_grad`` before ``backward``: the new gradients are therefore stashed, the
   ones that were there restored, and ``backward()`` adds the stash back (this also keeps
   ``accumulate_grad_batches`` right, where ``zero_grad`` runs on a window's first batch only).
+  On a window's first batch the old gradients are freed before the schedule instead, since
+  ``zero_grad`` would drop them: no rank holds two sets of its stages' gradients.
   The loss returned to Lightning is the full-batch value on every rank, as a fresh leaf.
 * Once traced, the layout follows the documented order on the stages: tensor parallelism on
   the traced stage graphs (:mod:`~lightning_parallel.parallel.pipeline_tp`), expert
@@ -74,6 +76,7 @@ from lightning_parallel.parallel.pipeline_schedules import (
     schedule_spec,
 )
 from lightning_parallel.strategies.experts import reduce_expert_grads
+from lightning_parallel.strategies.log_exchange import LogExchange
 from lightning_parallel.strategies import pipeline_checkpoint as pckpt
 from lightning_parallel.strategies.checkpoint import ZERO1_KEY, is_sharded_checkpoint, read_rest
 from lightning_parallel.strategies.precision import grad_scaler
@@ -196,6 +199,7 @@ class PipelineDriver:
         self._step: _TrainStep | None = None
         self._stash: list[tuple[nn.Parameter, Tensor]] = []
         self._metric_table: dict[int, str] | None = None  # id -> name of the module's Metrics (see _with_output)
+        self._log_exchange: LogExchange | None = None  # the training step's logs and loss to every stage
         self._keepers: dict[str, int] = {}
         self._pending_load: tuple[Path, bool] | None = None  # a checkpoint to read once the stages exist
         self._moe = bool(opaque_units(module))
@@ -392,7 +396,12 @@ class PipelineDriver:
         runtime = self.runtime
         accumulate = int(module.trainer.accumulate_grad_batches) if attached_trainer(module) is not None else 1
         params = runtime.owned_parameters()
-        previous = [p.grad for p in params]
+        # The gradients already there are put back after the schedule, unless Lightning's zero_grad
+        # drops them before this step's backward anyway: then they are freed now, not held beside
+        # the new ones for the whole schedule (one gradient copy of the stages: 272 of 896 MiB per
+        # rank at the peak of pp4 on the 1 GiB GPT of benchmarks/bench_memory.py).
+        keep = not self._zeroed_before_backward(module, accumulate)
+        previous = [p.grad if keep else None for p in params]
         for p in params:
             p.grad = None
         self._step = _TrainStep(args, kwargs, batch_size_of(*probe), accumulate)
@@ -407,11 +416,25 @@ class PipelineDriver:
             self._stash = [(p, p.grad) for p in params if p.grad is not None]
             for p, g in zip(params, previous):
                 p.grad = g
-        records, loss = self._broadcast((records, loss))  # the logs and the loss in one collective
+        if self._log_exchange is None:
+            self._log_exchange = LogExchange(self.group, self._last_rank, self.device, runtime.holds_last)
+        records, loss = self._log_exchange(records, loss)  # the logs and the loss: one tensor broadcast
         replay_logs(module, records, self.device)
         if self._moe:
             self._log_moe(moe_losses)
         return (loss * accumulate).to(self.device).detach().requires_grad_(True)
+
+    def _zeroed_before_backward(self, module: pl.LightningModule, accumulate: int) -> bool:
+        """Whether Lightning zeroes the gradients between this ``training_step`` and its backward:
+        on the first batch of each ``accumulate_grad_batches`` window, with the default
+        ``optimizer_zero_grad`` (an override may keep them, so they are kept then). A callback's
+        ``on_before_zero_grad`` then sees ``grad=None``: the old gradients are already gone."""
+        batch_idx = self.strategy.train_batch_idx
+        if batch_idx is None or attached_trainer(module) is None:
+            return False
+        if type(module).optimizer_zero_grad is not pl.LightningModule.optimizer_zero_grad:
+            return False
+        return batch_idx % accumulate == 0
 
     def _log_moe(self, record: MoEStepRecord) -> None:
         """Log what an MoE model logs without pipelines, from layers that live on several stages:

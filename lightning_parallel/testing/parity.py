@@ -43,6 +43,7 @@ class FitSpec:
     checkpoint_dir: str | None = None
     save_last: bool = False  # the ModelCheckpoint also keeps ``last.ckpt`` (for ``resume_from="last"``)
     callbacks: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # extra ("pkg.mod:Class", kwargs)
+    validate: bool = False  # trainer.validate on the training data after fit (the evaluation step's collectives)
 
 
 def _load(path: str) -> Any:
@@ -179,6 +180,8 @@ def run_fit(spec: FitSpec) -> dict[str, Any]:
     trainer.fit(model, train_dataloaders=loader, ckpt_path=spec.resume_from)
     if spec.save_to:
         trainer.save_checkpoint(spec.save_to)
+    if spec.validate:
+        trainer.validate(model, dataloaders=loader, verbose=False)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if isinstance(v, torch.Tensor) and v.numel() == 1}
     return {
         "layout": recorder.layout,

@@ -48,6 +48,7 @@ HYBRID = "lightning_parallel:HybridParallelStrategy"
 LAYOUTS: dict[str, Any] = {
     "ddp": "ddp",
     "zero3": "zero3",
+    "zero3-sublayer": {"class": HYBRID, "zero_stage": 3, "fsdp_units": "sublayer"},
     "tp": "tp",
     "pp": "pp",
     "dp2xtp2": {"class": HYBRID, "tensor_parallel_size": 2, "zero_stage": 3},
@@ -69,6 +70,16 @@ def _reset_peak_rss() -> None:
         pass
 
 
+def _site() -> str:
+    """Where the program is (innermost frames of torch's FSDP, autograd, optimizers and this package):
+    printed for the worst rank's training peak, to say what the transient copies at the peak are."""
+    import traceback
+
+    keep = ("lightning_parallel", "fsdp", "autograd", "optim", "pipelining")
+    frames = [f for f in traceback.extract_stack()[:-2] if any(k in f.filename for k in keep)]
+    return " < ".join(f"{Path(f.filename).name}:{f.name}" for f in reversed(frames[-4:]))
+
+
 class LiveBytes:
     """Tensor-accurate live and peak CPU bytes: a dispatch mode that records the storage of every
     tensor an op returns (DTensors: their local tensor) until the storage is freed, plus storage
@@ -81,6 +92,7 @@ class LiveBytes:
 
         self.live: dict[int, int] = {}
         self.current = self.peak = 0
+        self.peak_site = ""
         tracker = self
 
         class Mode(TorchDispatchMode):
@@ -111,7 +123,9 @@ class LiveBytes:
             self.live[key] = nbytes
         else:
             self.live.pop(key, None)
-        self.peak = max(self.peak, self.current)
+        if self.current > self.peak:
+            self.peak = self.current
+            self.peak_site = _site()
 
     def __enter__(self) -> LiveBytes:
         original, tracker = self._resize, self
@@ -190,7 +204,8 @@ def _worker(args: argparse.Namespace, layout: str) -> dict[str, Any]:
     points: dict[str, dict[str, Any]] = {}
 
     def snapshot() -> dict[str, Any]:
-        return {"tracked": tracker.peak, "rss": _status("VmHWM") - base_rss, "activations": saved.peak}
+        return {"tracked": tracker.peak, "rss": _status("VmHWM") - base_rss, "activations": saved.peak,
+                "site": tracker.peak_site}
 
     class Points(pl.Callback):
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
@@ -257,7 +272,7 @@ def main() -> None:
     mib = 2**20
     print(f"GPT {args.layers} x {args.width}, vocab {args.vocab}: fp32 parameters P = {P / mib:.0f} MiB; "
           f"{args.ranks} ranks, SGD (model state = P + grads)")
-    print(f"{'layout':9} {'mesh':44} {'set-up MiB':>10} {'x share':>7} {'train MiB':>9} {'x share':>7} "
+    print(f"{'layout':14} {'mesh':44} {'set-up MiB':>10} {'x share':>7} {'train MiB':>9} {'x share':>7} "
           f"{'activ. MiB':>10} {'x ideal':>7} {'params+grads MiB':>16} {'x share':>7} {'RSS set-up/train MiB':>20}")
     for layout in args.layouts.split(","):
         results = run_distributed(_worker, args.ranks, args, layout, init_backend=None, timeout=3000)
@@ -269,9 +284,11 @@ def main() -> None:
         ideal = max(r["points"]["train"]["tracked"] / (share + r["points"]["train"]["activations"]) for r in results)
         state = max(r["points"]["state"]["params"] + r["points"]["state"]["grads"] for r in results)
         rss = (max(r["points"]["setup"]["rss"] for r in results), max(r["points"]["train"]["rss"] for r in results))
-        print(f"{layout:9} {results[0]['dims'][:44]:44} {setup / mib:10.0f} {setup / share:7.2f} {train / mib:9.0f} "
+        print(f"{layout:14} {results[0]['dims'][:44]:44} {setup / mib:10.0f} {setup / share:7.2f} {train / mib:9.0f} "
               f"{train / share:7.2f} {kept / mib:10.0f} {ideal:7.2f} {state / mib:16.0f} {state / share:7.2f} "
               f"{rss[0] / mib:9.0f}/{rss[1] / mib:.0f}   loss {results[0]['loss']:.4f}", flush=True)
+        worst = max(results, key=lambda r: r["points"]["train"]["tracked"])
+        print(f"{'':14} training peak at: {worst['points']['train']['site']}", flush=True)
     print("share = (P + grads) / ranks (ddp: P + grads, it replicates); activ. = peak bytes autograd saved for backward"
           " (parameters excluded); ideal = share + that rank's activations (the set-up keeps none: its ideal is the"
           " share); worst rank per column. The rest of a training peak is the layout's transient copies (FSDP2's"

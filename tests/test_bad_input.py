@@ -75,6 +75,7 @@ OUT_OF_RANGE: list[tuple[str, dict[str, Any], int | None, type[Exception], str]]
     ("start_method unknown", {"start_method": "forkserver"}, None, ValueError, "start_method"),
     ("on_nonfinite unknown", {"on_nonfinite": "ignore"}, None, ValueError, "on_nonfinite"),
     ("max_nonfinite_skips 0", {"max_nonfinite_skips": 0}, None, ValueError, "max_nonfinite_skips"),
+    ("fsdp_units unknown", {"fsdp_units": "layer"}, None, ValueError, "fsdp_units"),
 ]
 
 INCOMPATIBLE: list[tuple[str, dict[str, Any], int | None, type[Exception], str]] = [
@@ -87,6 +88,9 @@ INCOMPATIBLE: list[tuple[str, dict[str, Any], int | None, type[Exception], str]]
     ("loss_parallel without tp", {"loss_parallel": True}, None, ValueError, "loss_parallel"),
     ("loss_parallel with pp", {"loss_parallel": True, "tensor_parallel_size": 2, "pipeline_parallel_size": 2},
      None, ValueError, "loss_parallel"),
+    ("fsdp_units sublayer with zero 0", {"fsdp_units": "sublayer"}, None, ValueError, "fsdp_units"),
+    ("fsdp_units sublayer with pp", {"fsdp_units": "sublayer", "zero_stage": 3, "pipeline_parallel_size": 2},
+     None, ValueError, "fsdp_units"),
 ]
 
 WORLD_SIZE: list[tuple[str, dict[str, Any], int | None, type[Exception], str]] = [
@@ -131,7 +135,7 @@ def test_presets_take_overrides_through_the_same_checks() -> None:
 
 
 def test_the_count_readme_states() -> None:
-    assert len(CASES) == 66  # README, "Bad input": keep both in step when adding cases
+    assert len(CASES) == 69  # README, "Bad input": keep both in step when adding cases
 
 
 def test_pipelines_refuse_a_trainer_precision_they_would_ignore() -> None:

@@ -61,6 +61,8 @@ TWO_RANK_CASES: list[tuple[str, FitSpec]] = [
     ("gpt_neox zero2", _lm("gpt_neox", "zero2")),
     ("phi3 dp labels=", _lm("phi3", "dp", loss="labels")),
     ("llama zero3 HF gradient checkpointing labels=", _lm("llama", "zero3", loss="labels", gradient_checkpointing=True)),
+    ("llama zero3 fsdp_units=sublayer", dataclasses.replace(_lm("llama", "zero3"), strategy={"class": HYBRID, "zero_stage": 3,
+                                                                                          "fsdp_units": "sublayer"})),
     ("mixtral ep2", _lm("mixtral", "ep")),
     ("qwen2_moe ep2", _lm("qwen2_moe", "ep")),
     ("qwen2_moe ep2 zero3", dataclasses.replace(_lm("qwen2_moe", "ep"), strategy={"class": HYBRID, "expert_parallel_size": 2,
@@ -95,6 +97,11 @@ def test_real_models_under_data_and_expert_parallel_presets_match_one_process() 
     for label in ("gpt2 zero3 (tied lm_head)", "gpt_neox zero2", "resnet18 zero2 sync_batchnorm"):
         assert layouts[label]["local_param_numel"] < 0.6 * total[label], label  # really sharded
     index = {label: i for i, (label, _) in enumerate(TWO_RANK_CASES)}
+    # sublayer units: each decoder layer's self_attn and mlp are FSDP2 units inside the layer's unit
+    layers = results[0][index["llama dp"]]["params"].keys()
+    blocks = len({k.split(".layers.")[1].split(".")[0] for k in layers if ".layers." in k})
+    split, whole = layouts["llama zero3 fsdp_units=sublayer"]["fsdp_units"], layouts["llama zero3 HF gradient checkpointing labels="]["fsdp_units"]
+    assert blocks >= 2 and split == whole + 2 * blocks, (split, whole, blocks)
     for label in ("mixtral ep2", "qwen2_moe ep2"):  # experts split in two, the rest (incl. qwen2_moe's shared expert) whole
         experts = sum(v.numel() for k, v in results[0][index[label]]["params"].items() if ".experts." in k)
         assert experts > 0 and layouts[label]["local_param_numel"] == total[label] - experts // 2, label

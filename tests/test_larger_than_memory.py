@@ -74,3 +74,31 @@ def test_embeddings_and_head_get_fsdp_units_of_their_own() -> None:
     assert units(gpt) == [(["tok_emb"], True), (["lm_head"], False)]  # 131k each; pos_emb (2k of a 198k block) stays
     assert units(small_vocab) == []  # 33k each, under a quarter of a block: a unit would cost more than it saves
     assert units(tied) == [(["model.transformer.wte", "model.lm_head"], False)]  # wpe (2k of a 13k block) stays
+
+
+def test_sublayer_units_are_a_blocks_attention_and_mlp() -> None:
+    """``fsdp_units="sublayer"``: the children holding at least a quarter of a block's parameters,
+    found through a single-child wrapper (activation checkpointing's); norms stay in the block unit."""
+    import torch
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from lightning_parallel.models.gpt import GPT
+    from lightning_parallel.parallel.blocks import find_repeated_blocks
+    from lightning_parallel.parallel.data_parallel import sublayer_units
+    from lightning_parallel.testing.real_models import HFCausalLM
+
+    def parts(model: torch.nn.Module, wrap: bool = False) -> list[list[str]]:
+        out = []
+        for _, block in find_repeated_blocks(model):
+            target = checkpoint_wrapper(block) if wrap else block
+            names = {id(m): n for n, m in target.named_modules()}
+            out.append([names[id(m)].split(".")[-1] for m in sublayer_units(target)])
+        return out
+
+    with torch.device("meta"):
+        gpt = GPT(vocab_size=256, block_size=16, n_layer=3, n_head=4, n_embd=64)
+        llama = HFCausalLM(family="llama")
+    assert parts(gpt) == [["attn", "mlp"]] * 3
+    assert parts(gpt, wrap=True) == [["attn", "mlp"]] * 3
+    layers = len(find_repeated_blocks(llama))
+    assert layers >= 2 and parts(llama) == [["self_attn", "mlp"]] * layers

@@ -79,8 +79,12 @@ def apply_fsdp(
     mixed_precision: str | None = None,
     cpu_offload: bool = False,
     own_meshes: Sequence[tuple[nn.Module, DeviceMesh]] = (),
+    split_blocks: bool = False,
 ) -> FSDPModule:
     """Shard ``blocks`` one FSDP2 unit each, then ``root`` (which takes the remaining params).
+
+    ``split_blocks``: each block's large sublayers (attention, MLP: :func:`sublayer_units`) become
+    units of their own inside the block's unit, which then keeps only the rest (norms).
 
     ``dp_mesh`` is 1D (FSDP) or 2D ``(replicate, shard)`` (HSDP). Parameter names do not change.
     ``mixed_precision`` ("bf16-mixed", "16-mixed"): parameters are gathered and computed in that
@@ -98,6 +102,9 @@ def apply_fsdp(
     for module, mesh in own_meshes:
         fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy, offload_policy=offload)
     for block in blocks:
+        for sublayer in sublayer_units(block) if split_blocks else ():
+            fully_shard(sublayer, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
+                        offload_policy=offload)
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy, offload_policy=offload)
     # Embeddings and the head as units of their own (as torchtitan does): the root's params stay
     # gathered from its forward to the end of backward, so it must hold nothing large.
@@ -108,6 +115,31 @@ def apply_fsdp(
     fully_shard(root, mesh=dp_mesh, reshard_after_forward=False, mp_policy=root_policy, offload_policy=offload)
     assert isinstance(root, FSDPModule)
     return root
+
+
+def sublayer_units(block: nn.Module, min_fraction: float = 1 / 4) -> list[nn.Module]:
+    """The parts of ``block`` that get an FSDP2 unit of their own under ``fsdp_units="sublayer"``:
+    its direct children (through single-child wrappers such as activation checkpointing's) that
+    hold at least ``min_fraction`` of its parameters: a transformer block's attention and MLP.
+
+    Why: during a unit's backward FSDP2 holds its gathered parameters, its unsharded gradients,
+    the reduce-scatter's copy of them and the next unit's prefetched parameters, about four units'
+    worth on top of the sharded state; with the block as the unit that is four blocks (on the 1 GiB
+    GPT of ``benchmarks/bench_memory.py`` on 4 ranks, 220 MiB above the 513 MiB held state). Halving the
+    unit halves it, for one more unit per block (each costs its hooks, copies and collectives per
+    step: 1.4-3.8 ms on two CPU ranks, see :func:`outer_units`), hence an option, not the default.
+    Left out: tensor-parallel children (DTensor parameters; their outputs are views, on which an
+    in-place op drops FSDP2's pre-backward hook) and children already sharded (experts)."""
+    body = block
+    while len(children := [c for c in body.children() if any(True for _ in c.parameters())]) == 1:
+        body = children[0]
+    total = sum(p.numel() for p in block.parameters())
+    return [
+        child for child in children
+        if sum(p.numel() for p in child.parameters()) >= min_fraction * total
+        and not any(isinstance(m, FSDPModule) for m in child.modules())
+        and not any(isinstance(p, DTensor) for p in child.parameters())
+    ]
 
 
 def outer_units(root: nn.Module, blocks: Sequence[nn.Module], min_fraction: float = 1 / 4) -> list[tuple[list[nn.Module], bool]]:

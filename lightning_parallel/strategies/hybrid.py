@@ -82,6 +82,7 @@ from lightning_parallel.strategies.nonfinite import NonFiniteGuard, NonFiniteMod
 from lightning_parallel.strategies.process_group import check_backend, default_backend, init_process_group
 from lightning_parallel.strategies.options import (
     as_timedelta,
+    check_fsdp_units,
     check_pipeline_precision,
     validate_more_options,
     validate_options,
@@ -150,6 +151,10 @@ class HybridParallelStrategy(ParallelStrategy):
         hybrid_shard: HSDP, shard within ``data_parallel_size / data_parallel_replicate_size`` ranks
             and replicate across groups (``"auto"``: one group per node).
         ddp_bucket_cap_mb: DDP gradient bucket size; smaller buckets start communicating sooner.
+        fsdp_units: ``"block"`` (default: one FSDP2 unit per repeated block, as torchtitan) or
+            ``"sublayer"`` (a block's attention and MLP are units of their own: lower peak memory,
+            one more unit per block to pay per step; ``parallel/data_parallel.py:sublayer_units``).
+            Only where FSDP2 shards eager layouts (``zero_stage`` 2-3, or data x tensor parallelism).
         save_distributed_checkpoint: sharded DCP directory (default) or one consolidated file.
         async_save: write sharded checkpoints in the background (DCP ``async_save``): the step
             blocks only to copy the shards to CPU memory (see ``strategies/async_checkpoint.py``).
@@ -189,6 +194,7 @@ class HybridParallelStrategy(ParallelStrategy):
         moe_z_loss_coef: float | None = None,
         ddp_bucket_cap_mb: float = 25.0,
         find_unused_parameters: bool = False,
+        fsdp_units: Literal["block", "sublayer"] = "block",
         save_distributed_checkpoint: bool = True,
         async_save: bool = False,
         on_nonfinite: NonFiniteMode = "error",
@@ -235,6 +241,7 @@ class HybridParallelStrategy(ParallelStrategy):
             async_save=async_save,
         )
         validate_nonfinite(on_nonfinite, max_nonfinite_skips)
+        check_fsdp_units(fsdp_units, zero_stage, tensor_parallel_size, pipeline_parallel_size)
         compile_options = compile_kwargs(compile_blocks)  # typed errors here, before any process group
         check_compile_layout(compile_options, *(d if isinstance(d, int) else 1 for d in (pipeline_parallel_size, tensor_parallel_size)))
         prec.warn_mixed_precision_deprecated(mixed_precision)
@@ -273,6 +280,7 @@ class HybridParallelStrategy(ParallelStrategy):
         self._resume_rng: list[dict[str, Any]] | None = None
         self.ddp_bucket_cap_mb = ddp_bucket_cap_mb
         self.find_unused_parameters = find_unused_parameters
+        self.fsdp_units = fsdp_units
         self._save_distributed_checkpoint = save_distributed_checkpoint
         self._async_writer = AsyncCheckpointWriter() if async_save else None
         self._axis_groups: dict[str, list[int]] | None = None  # this rank's group on each mesh axis
@@ -476,6 +484,8 @@ class HybridParallelStrategy(ParallelStrategy):
     def _apply_layout(self, module: pl.LightningModule) -> nn.Module:
         """Apply the techniques in the documented order; return what Lightning should call."""
         dims = self.parallel_dims
+        fsdp = dims.pp == 1 and dims.dp > 1 and (self.zero_stage >= 2 or dims.tp > 1)
+        check_fsdp_units(self.fsdp_units, self.zero_stage, dims.tp, dims.pp, dims.dp)  # every rank, before any collective
         if dims.pp > 1:
             from lightning_parallel.strategies.pipeline_driver import PipelineDriver
 
@@ -484,8 +494,8 @@ class HybridParallelStrategy(ParallelStrategy):
             # tensor parallelism is applied to the traced stages then (parallel/pipeline_tp.py).
             if dims.tp > 1:
                 self._log_tp_plan()
-            if not stays_meta_until_traced(dims.dp, self.zero_stage, dims.ep):
-                self._materialize(module)  # ZeRO / ep stages: the whole meta model, before tracing
+            if not stays_meta_until_traced(dims.ep):
+                self._materialize(module)  # ep stages: the whole meta model, before tracing
             self._pipeline = PipelineDriver(self, module)
             return module
         apply_layer_sync(self._layer_sync, module, dims)  # BatchNorm statistics over the dp group
@@ -500,7 +510,7 @@ class HybridParallelStrategy(ParallelStrategy):
             self._checkpointed_blocks = apply_activation_checkpointing(module, blocks)
         if self._compile_kwargs is not None:  # after tp and checkpointing (traced in), before FSDP2 / DDP hooks
             self._compiled_blocks = apply_compile(blocks, self._compile_kwargs)
-        if dims.dp > 1 and (self.zero_stage >= 2 or dims.tp > 1):
+        if fsdp:
             # DTensor parameters (tensor parallel) cannot go through DDP: FSDP2 over the
             # (replicate, shard) mesh covers replication too (shard size 1 = all-reduce only).
             root = _StepWrapper(module)
@@ -512,6 +522,7 @@ class HybridParallelStrategy(ParallelStrategy):
                 mixed_precision=prec.fsdp_param_dtype(self.precision_plugin),  # the Trainer's precision
                 cpu_offload=self.cpu_offload,
                 own_meshes=[(m, dims.axis(EDP)) for m in experts.values()],
+                split_blocks=self.fsdp_units == "sublayer",
             )
             self._materialize(root)  # meta-built model: each rank allocates and initialises its shards only
             return root

@@ -222,6 +222,26 @@ def validate_more_options(
     _check_backend(process_group_backend)
 
 
+def check_fsdp_units(fsdp_units: Any, zero_stage: int, tp: Any, pp: Any, dp: Any = "auto") -> None:
+    """``fsdp_units`` is ``"block"`` or ``"sublayer"``, and ``"sublayer"`` only where FSDP2 wraps an
+    eager layout: no pipelines, more than one data-parallel rank, ``zero_stage`` 2-3 or tensor
+    parallelism. Degrees still ``"auto"`` pass here; ``_apply_layout`` checks the resolved ones."""
+    if fsdp_units not in ("block", "sublayer"):
+        raise config_error(ValueError, "fsdp_units", fsdp_units, "it must be 'block' or 'sublayer'",
+                           "pass fsdp_units='block' (one FSDP2 unit per block) or 'sublayer' (attention and MLP apart)")
+    if fsdp_units == "block":
+        return
+    known = {name: v for name, v in (("tp", tp), ("pp", pp), ("dp", dp)) if isinstance(v, int)}
+    if known.get("pp", 1) > 1 or known.get("dp", 2) == 1 or (zero_stage < 2 and known.get("tp", 2) == 1):
+        raise config_error(
+            ValueError, "fsdp_units", fsdp_units,
+            f"it sets how FSDP2 wraps an eager layout, and this one (zero_stage={zero_stage}, tensor_parallel_size={tp},"
+            f" pipeline_parallel_size={pp}, data_parallel_size={dp}) has none: FSDP2 shards only with more than one"
+            " data-parallel rank and zero_stage 2-3 or tensor parallelism, and pipelines wrap their stages themselves",
+            "leave fsdp_units='block', or use zero_stage=2/3 on several data-parallel ranks without pipeline parallelism",
+        )
+
+
 def check_pipeline_precision(precision_plugin: Any, dims: Any) -> None:
     """Pipelines honour the Trainer precisions of ``precision.PIPELINE_PRECISIONS``; another one is refused.
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -90,6 +91,7 @@ class _Recorder:
                     "optimizer": type(trainer.optimizers[0]).__name__ if trainer.optimizers else None,
                     "local_param_numel": local,
                     "groups": _axis_groups(dims),
+                    "fsdp_units": sum(1 for m in pl_module.modules() if isinstance(m, FSDPModule)),
                 }
 
             def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:

@@ -47,6 +47,7 @@ import torch
 from lightning.pytorch import Callback
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_leaves
 
 from typing_extensions import override
 
@@ -146,12 +147,15 @@ def _local_index(tensor: Tensor) -> tuple[tuple[slice, ...], Tensor]:
     return tuple(slice(0, s) for s in tensor.shape), tensor
 
 
-def load_pretrained_now(module: nn.Module, path: str | os.PathLike[str], strict: bool = True) -> dict[str, int]:
+def load_pretrained_now(module: nn.Module, path: str | os.PathLike[str], strict: bool = True,
+                        released: dict[str, Any] | None = None) -> dict[str, int]:
     """Read into ``module``, as laid out now, the part of each tensor this rank holds.
 
     Returns ``{"tensors": ..., "bytes_read": ...}`` for this rank. Pipeline ranks skip the tensors
-    they released (other stages own them). Raises before reading if keys or shapes do not match.
+    they released (``released``: name -> full shape; other stages own them), whose shapes are
+    checked against the full ones. Raises before reading if keys or shapes do not match.
     """
+    full = {_clean(name): tuple(shape) for name, shape in (released or {}).items()}
     source = _source_files(Path(path))
     with ExitStack() as stack:
         reader = _Reader(source, stack)
@@ -168,7 +172,8 @@ def load_pretrained_now(module: nn.Module, path: str | os.PathLike[str], strict:
                 "pass the submodule the checkpoint was saved from (e.g. self.model, not the LightningModule), "
                 "or strict=False to ignore unexpected keys",
             )
-        wrong = [(k, tuple(t.shape), reader.shape(keys[k])) for k, (t, _) in targets.items() if tuple(t.shape) != reader.shape(keys[k])]
+        shapes = {k: full.get(k, tuple(t.shape)) for k, (t, _) in targets.items()}
+        wrong = [(k, shapes[k], reader.shape(keys[k])) for k in targets if shapes[k] != reader.shape(keys[k])]
         if wrong:
             raise config_error(ValueError, "pretrained checkpoint", str(path),
                                f"tensor shapes differ (name, model, checkpoint): {wrong[:5]}",
@@ -176,6 +181,8 @@ def load_pretrained_now(module: nn.Module, path: str | os.PathLike[str], strict:
         read = 0
         with torch.no_grad():
             for name, (tensor, _) in targets.items():
+                if name in full:  # released by a pipeline rank: another stage holds it
+                    continue
                 index, local = _local_index(tensor)
                 if local.numel() == 0:  # released by a pipeline rank, or an empty uneven shard
                     continue
@@ -191,7 +198,12 @@ def _has_meta(module: nn.Module) -> bool:
     return any(t.is_meta for t in (*module.parameters(), *module.buffers()))
 
 
-def _refuse_pending(module: nn.Module, args: Any) -> None:
+def _refuse_pending(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+    """A forward of a model still waiting for its weights fails; one on meta inputs only (a pipeline
+    tracing its stages before it materialises them) computes nothing and goes through."""
+    inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
+    if inputs and all(t.is_meta for t in inputs):
+        return
     if getattr(module, _PENDING_ATTR, None):
         paths = [str(p) for p, _ in getattr(module, _PENDING_ATTR)]
         raise RuntimeError(
@@ -213,16 +225,18 @@ def load_pretrained(module: nn.Module, path: str | os.PathLike[str], strict: boo
         return
     pending = module.__dict__.setdefault(_PENDING_ATTR, [])
     if not pending:
-        module.register_forward_pre_hook(_refuse_pending)
+        module.register_forward_pre_hook(_refuse_pending, with_kwargs=True)
     pending.append((Path(path), strict))
 
 
-def run_pending_loads(root: nn.Module) -> list[dict[str, int]]:
-    """The strategy calls this after materialising ``root``: every deferred :func:`load_pretrained`."""
+def run_pending_loads(root: nn.Module, released: dict[str, Any] | None = None) -> list[dict[str, int]]:
+    """The strategy calls this after materialising ``root``: every deferred :func:`load_pretrained`.
+    ``released``: the tensors (FQNs in ``root``, full shapes) a pipeline rank released."""
     done = []
-    for sub in root.modules():
+    for prefix, sub in root.named_modules():
+        own = {n.removeprefix(f"{prefix}."): shape for n, shape in (released or {}).items() if not prefix or n.startswith(f"{prefix}.")}
         for path, strict in sub.__dict__.pop(_PENDING_ATTR, []):
-            done.append(load_pretrained_now(sub, path, strict))
+            done.append(load_pretrained_now(sub, path, strict, released=own))
     return done
 
 

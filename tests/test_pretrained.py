@@ -2,7 +2,7 @@
 
 A real tiny ``LlamaForCausalLM`` is saved with ``save_pretrained(..., max_shard_size=...)``
 (several safetensors shards and an index). The reference is ``from_pretrained`` in one process
-(transformers' own loader). Under ``zero3`` and ``tp`` the unchanged ``HFCausalLM`` is built under
+(transformers' own loader). Under ``zero3``, ``tp``, dp2 x pp2 and ``3d`` the unchanged ``HFCausalLM`` is built under
 ``Trainer.init_module(empty_init=True)`` and given the directory by the ``PretrainedWeights``
 callback: after the layout each rank reads only the slices it holds (checked by the bytes it
 read), and the laid-out model's parameters and logits equal the reference.
@@ -73,6 +73,56 @@ def test_sharded_safetensors_into_zero3_and_tp_give_single_process_logits(tmp_pa
     total = sum(p.numel() * p.element_size() for p in params.values())
     cases = (("zero3", 0.6), ("tp", 0.65))
     results = run_distributed(run_loaded, 2, str(path), [s for s, _ in cases], 2, init_backend=None, timeout=400)
+    for rank, per_strategy in enumerate(results):
+        for (strategy, share), seen in zip(cases, per_strategy):
+            assert seen["params"].keys() == params.keys()
+            for name, value in params.items():
+                assert torch.equal(seen["params"][name], value), f"{strategy} rank {rank}: {name}"
+            torch.testing.assert_close(seen["logits"], logits, rtol=1e-5, atol=1e-5, msg=lambda m: f"{strategy}: {m}")
+            assert seen["read"] <= share * total, f"{strategy} rank {rank} read {seen['read']} of {total} bytes"
+
+
+def run_predicted(path: str, strategies: list[Any], devices: int) -> list[dict[str, Any]]:
+    """One rank: per strategy, a meta-built HFCausalLM + PretrainedWeights, then ``trainer.predict``
+    (pipelines build their stages from the first batch: the load waits for them): the logits, the
+    full parameters (from the ranks keeping them) and the bytes this rank read."""
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader
+
+    from lightning_parallel.testing.parity import _make_strategy
+
+    out = []
+    for strategy in strategies:
+        trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=_make_strategy(strategy), logger=False,
+                             enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+                             callbacks=[PretrainedWeights(path, submodule="model")])
+        with trainer.init_module(empty_init=True):
+            model = HFCausalLM(family="llama")
+        logits = trainer.predict(model, DataLoader(list(BATCH), batch_size=len(BATCH)))
+        driver = trainer.strategy._pipeline
+        params = driver.gather_state(parameters_only=True) if driver is not None else full_parameters(model)
+        out.append({"logits": logits[0], "params": {k.removeprefix("model."): v for k, v in params.items()},
+                    "read": model.model.__dict__["_lp_pretrained_stats"]["bytes_read"],
+                    "dims": trainer.strategy.parallel_dims.describe()})
+    return out
+
+
+BATCH = torch.arange(64).reshape(4, 16) % 64
+
+
+def test_sharded_safetensors_into_pipelines_and_3d_give_single_process_logits(tmp_path: Path) -> None:
+    """dp2 x pp2 and '3d' (tp2 x pp2 on 4 ranks): each rank reads only its stage's slices."""
+    import transformers
+
+    path = _save("llama", tmp_path / "llama")
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path)
+    with torch.no_grad():
+        logits = reference(input_ids=BATCH).logits
+    params = {n: p.detach() for n, p in reference.named_parameters()}
+    total = sum(p.numel() * p.element_size() for p in params.values())
+    cases = (({"class": "lightning_parallel:HybridParallelStrategy", "pipeline_parallel_size": 2}, 0.65), ("3d", 0.4))
+    results = run_distributed(run_predicted, 4, str(path), [s for s, _ in cases], 4, init_backend=None, timeout=400)
+    assert "tp=2" in results[0][1]["dims"] and "pp=2" in results[0][1]["dims"], results[0][1]["dims"]
     for rank, per_strategy in enumerate(results):
         for (strategy, share), seen in zip(cases, per_strategy):
             assert seen["params"].keys() == params.keys()

@@ -643,7 +643,7 @@ class HybridParallelStrategy(ParallelStrategy):
         report = materialize_meta_module(module, device, getattr(self, "_meta_rng", None), buffer_device=self.root_device,
                                          in_place=in_place, also=also, full_shapes=full_shapes)
         self._meta_report = report  # for the monitor and the tests: what this rank holds, the largest temporary
-        run_pending_loads(module)  # load_pretrained(...) on the meta model: each rank reads the slices it holds
+        run_pending_loads(module, full_shapes)  # load_pretrained(...) on the meta model: each rank reads the slices it holds
         rank_zero_info(
             f"Materialised the meta-device model: {report.local_bytes / 2**20:.1f} MiB held on rank 0, largest"
             f" initialisation temporary {report.peak_temporary_bytes / 2**20:.1f} MiB"

@@ -47,11 +47,9 @@ import torch
 from lightning.pytorch import Callback
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_leaves
-
 from typing_extensions import override
 
-from lightning_parallel.compat import compute_local_shape_and_global_offset
+from lightning_parallel.compat import compute_local_shape_and_global_offset, tree_leaves
 from lightning_parallel.errors import config_error
 
 _PENDING_ATTR = "_lp_pending_pretrained"

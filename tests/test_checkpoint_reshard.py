@@ -68,7 +68,9 @@ def _assert_continues(resumed: dict[str, Any], reference: dict[str, Any], label:
 CASES_2 = [  # (label, first layout, second layout, sharded files)
     ("zero3->dp", {"zero_stage": 3}, {"zero_stage": 0}, True),
     ("dp->zero3 (full file)", {"zero_stage": 0}, {"zero_stage": 3}, False),
-    ("zero1->zero2", {"zero_stage": 1}, {"zero_stage": 2}, True),
+    ("zero1->zero2", {"zero_stage": 1}, {"zero_stage": 2}, True),  # ZeRO-1: each rank wrote its partition
+    ("zero3->zero1", {"zero_stage": 3}, {"zero_stage": 1}, True),  # each ZeRO-1 rank reads its partition's states
+    ("zero1->zero1", {"zero_stage": 1}, {"zero_stage": 1}, True),
 ]
 
 
@@ -76,6 +78,19 @@ def test_resume_across_data_parallel_layouts(tmp_path: Path) -> None:
     reference = _run([TINY], 1)[0]
     pairs = [_phases(TINY, tmp_path / f"c{i}.ckpt", a, b, sharded) for i, (_, a, b, sharded) in enumerate(CASES_2)]
     _run([a for a, _ in pairs], 2)
+    # ZeRO-1's sharded save: each rank wrote the momentum of its own partition, none gathered the rest
+    import torch.distributed.checkpoint as dcp
+
+    from lightning_parallel.strategies.checkpoint import META_FILENAME, ZERO1_KEY
+
+    zero1 = tmp_path / f"c{[label for label, *_ in CASES_2].index('zero1->zero1')}.ckpt"
+    assert ZERO1_KEY not in torch.load(zero1 / META_FILENAME, weights_only=False)
+    writers: dict[str, set[str]] = {}
+    for index, info in dcp.FileSystemReader(str(zero1)).read_metadata().storage_data.items():
+        if index.fqn.startswith("optimizer_0.state."):
+            writers.setdefault(info.relative_path, set()).add(index.fqn)
+    assert len(writers) == 2 and not set.intersection(*writers.values()), writers  # two ranks, disjoint states
+    assert len(set.union(*writers.values())) == len(reference["params"]), writers  # every parameter's momentum
     resumed = _run([b for _, b in pairs], 2)
     for (label, *_), result in zip(CASES_2, resumed):
         _assert_continues(result, reference, label)

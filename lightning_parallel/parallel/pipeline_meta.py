@@ -19,8 +19,9 @@ like any other), with replicated data parallelism, and with ZeRO (each rank mate
 stages whole, then FSDP2 shards them over the data-parallel ranks: at most one stage's full
 parameters, never the model). Expert parallelism on stages materialises the whole model before
 tracing instead (every rank allocates the model once, then releases other stages' tensors):
-tried on meta, a Hugging Face Mixtral's expert kernel (``grouped_mm``) raised a dtype error; not
-investigated further.
+tried on meta, :func:`meta_output_forward` (the model's forward on meta inputs, for the output
+shapes the forward-count probe answers with) fails for Hugging Face Mixtral: off the CPU its
+experts take the ``grouped_mm`` path, whose meta kernel accepts bf16 only.
 """
 
 from __future__ import annotations

@@ -54,12 +54,12 @@ class AsyncCheckpointWriter:
     def pending(self) -> bool:
         return self._pending is not None
 
-    def save(self, checkpoint: dict[str, Any], path: Path, zero1: bool) -> None:
+    def save(self, checkpoint: dict[str, Any], path: Path) -> None:
         """Stage ``checkpoint`` now, write it in the background; returns once staged."""
         self.wait()
         if self._group is None:
             self._group = dist.new_group(backend="gloo")  # every rank, same order: the first save
-        state = split_checkpoint(checkpoint, zero1)
+        state = split_checkpoint(checkpoint)
         partial = begin_sharded_save(path)
         future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self._group, async_stager=self._stager())
         self._pending = _Pending(future, checkpoint, path)

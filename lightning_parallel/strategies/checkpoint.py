@@ -19,9 +19,13 @@ optimizer state alike (:mod:`.pipeline_checkpoint`). A consolidated file is read
 (memory-mapped) and broadcast tensor by tensor, each rank keeping its shard: no rank loads the
 whole file, and no rank but 0 ever holds the whole model at once.
 
-ZeRO-1's ``ZeroRedundancyOptimizer`` is not understood by DCP's optimizer API; its state is
-consolidated on rank 0 and stored, keyed by FQN like every other optimizer state, in the
-non-DCP part of the checkpoint.
+ZeRO-1's ``ZeroRedundancyOptimizer`` is not understood by DCP's optimizer API. In a sharded save
+each rank writes its own partition of the state, keyed by FQN in the layout DCP's optimizer API
+gives every other optimizer (:func:`zero1_local_state`), so no rank gathers the whole state and a
+ZeRO-1 checkpoint loads into any layout, and any layout's into ZeRO-1, each rank reading only the
+states of the parameters it steps. A consolidated file holds it gathered on rank 0, as every
+optimizer's. (Sharded checkpoints written before kept it consolidated in ``meta.pt``
+(``ZERO1_KEY``); they still load.)
 """
 
 from __future__ import annotations
@@ -88,8 +92,63 @@ def _param_names(module: nn.Module) -> dict[int, str]:
     return {id(p): name for name, p in module.named_parameters()}
 
 
+def zero1_local_state(module: nn.Module, optimizer: ZeroRedundancyOptimizer) -> dict[str, Any]:
+    """This rank's partition of ZeRO-1's state, FQN-keyed (no collective). The state dicts are the
+    local optimizer's own, so a DCP load into them fills its state in place; the param groups are
+    the global ones (every parameter's FQN), the same on every rank."""
+    names = _param_names(module)
+    local = optimizer.optim
+    state = {names[id(p)]: local.state[p] for g in local.param_groups for p in g["params"] if local.state.get(p)}
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
+              for g in optimizer.param_groups]
+    return {"state": state, "param_groups": groups}
+
+
+def _zero1_template(module: nn.Module, optimizer: ZeroRedundancyOptimizer, path: Path, idx: int) -> dict[str, Any]:
+    """What a sharded load fills for ZeRO-1 on this rank: the states of its partition that the
+    checkpoint holds. A fresh optimizer has no state yet: one step with zero gradients at lr 0 (on
+    the local optimizer, no collective; parameters unchanged) creates it with the right shapes,
+    and a parameter the checkpoint holds no state for (it had no gradient then) is left without."""
+    local = optimizer.optim
+    params = [p for g in local.param_groups for p in g["params"]]
+    if params and not any(local.state.get(p) for p in params):
+        grads = [p.grad for p in params]
+        lrs = [g["lr"] for g in local.param_groups]
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        for g in local.param_groups:
+            g["lr"] = 0.0
+        local.step()
+        for p, grad in zip(params, grads):
+            p.grad = grad
+        for g, lr in zip(local.param_groups, lrs):
+            g["lr"] = lr
+    saved = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    names = _param_names(module)
+    prefix = f"optimizer_{idx}.state."
+    for p in params:
+        if local.state.get(p) and not any(f"{prefix}{names[id(p)]}.{k}" in saved for k in local.state[p]):
+            local.state.pop(p)
+    return zero1_local_state(module, optimizer)
+
+
+def _set_zero1_state(module: nn.Module, optimizer: ZeroRedundancyOptimizer, loaded: dict[str, Any]) -> None:
+    """Put a loaded partition (see :func:`_zero1_template`) into the local optimizer, and the saved
+    hyper-parameters into the global param groups (ZeroRedundancyOptimizer copies them to the
+    local optimizer at its step)."""
+    names = _param_names(module)
+    local = optimizer.optim
+    for p in (p for g in local.param_groups for p in g["params"]):
+        if names[id(p)] in loaded["state"]:
+            local.state[p] = dict(loaded["state"][names[id(p)]])
+    for group, saved in zip(optimizer.param_groups, loaded.get("param_groups", [])):
+        group.update({k: v for k, v in saved.items() if k != "params"})
+
+
 def optimizer_state(module: nn.Module, optimizer: Optimizer, full: bool) -> dict[str, Any]:
     """FQN-keyed optimizer state (``{"state": {fqn: ...}, "param_groups": [{"params": [fqn]}]}``)."""
+    if isinstance(optimizer, ZeroRedundancyOptimizer) and not full:
+        return zero1_local_state(module, optimizer)  # a sharded save: each rank writes its partition
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         indexed = full_optimizer_state(optimizer)
         if not indexed:
@@ -109,16 +168,13 @@ def _load_zero1_state(module: nn.Module, optimizer: ZeroRedundancyOptimizer, sta
     optimizer.load_state_dict({"state": {index[n]: s for n, s in state["state"].items()}, "param_groups": groups})
 
 
-def split_checkpoint(checkpoint: dict[str, Any], zero1: bool) -> dict[str, Any]:
+def split_checkpoint(checkpoint: dict[str, Any]) -> dict[str, Any]:
     """Move the tensors DCP writes (model, sharded optimizer states) out of ``checkpoint`` into
-    the returned state; what stays in ``checkpoint`` (loops, callbacks, ZeRO-1's consolidated
-    optimizer states) is written by rank 0 as ``meta.pt``."""
+    the returned state; what stays in ``checkpoint`` (loops, callbacks, schedulers) is written by
+    rank 0 as ``meta.pt``."""
     state: dict[str, Any] = {"state_dict": checkpoint.pop("state_dict")}
     for idx, optim in enumerate(checkpoint.pop("optimizer_states", [])):
-        if zero1:
-            checkpoint.setdefault(ZERO1_KEY, {})[idx] = optim
-        else:
-            state[f"optimizer_{idx}"] = optim
+        state[f"optimizer_{idx}"] = optim
     # Packed tensor-parallel parameters (GPT-2's c_attn, gate_up_proj, experts: _StridedShard) are
     # several boxes per rank, which dcp.save refuses ("overlapping chunks"); as plain Shard they are one.
     return checkpoint_layout(state)
@@ -148,9 +204,9 @@ def finish_sharded_save(meta: dict[str, Any], path: Path) -> None:
     _remove(previous)
 
 
-def save_sharded(checkpoint: dict[str, Any], path: Path, zero1: bool) -> None:
+def save_sharded(checkpoint: dict[str, Any], path: Path) -> None:
     """Write ``checkpoint`` as a DCP directory (collective: every rank calls it)."""
-    state = split_checkpoint(checkpoint, zero1)
+    state = split_checkpoint(checkpoint)
     partial = begin_sharded_save(path)
     dcp.save(state, checkpoint_id=str(partial))
     finish_sharded_save(checkpoint, path)
@@ -199,19 +255,16 @@ def load_into(
     """Load model and optimizer states from ``path`` (directory or file) in place; return the rest."""
     if is_sharded_checkpoint(path):
         meta: dict[str, Any] = torch.load(path / META_FILENAME, map_location="cpu", weights_only=False)
-        full_states: dict[int, Any] = meta.get(ZERO1_KEY, {})  # saved consolidated by a ZeRO-1 run
+        full_states: dict[int, Any] = meta.get(ZERO1_KEY, {})  # a ZeRO-1 save of an earlier version: consolidated
         state: dict[str, Any] = {"state_dict": model_state(module, full=False)}
         check_shapes({k: tuple(v.shape) for k, v in state["state_dict"].items()}, _sharded_model_shapes(path), path)
         for idx, opt in enumerate(optimizers):
             if idx in full_states:
                 continue
             if isinstance(opt, ZeroRedundancyOptimizer):
-                raise ValueError(
-                    f"Checkpoint {path} holds sharded optimizer state, which ZeRO-1 (zero_stage=1) cannot load."
-                    " HINT: resume with zero_stage 0, 2 or 3, or save with save_distributed_checkpoint=False"
-                    " (a consolidated file loads under every layout)."
-                )
-            state[f"optimizer_{idx}"] = optimizer_state(module, opt, full=False)
+                state[f"optimizer_{idx}"] = _zero1_template(module, opt, path, idx)
+            else:
+                state[f"optimizer_{idx}"] = optimizer_state(module, opt, full=False)
         template = checkpoint_layout(state)  # packed tp parameters as plain Shard: one box per rank for DCP
         dcp.load(template, checkpoint_id=str(path))
         state = restore_layout(template, state)
@@ -219,6 +272,8 @@ def load_into(
         for idx, opt in enumerate(optimizers):
             if idx in full_states:
                 _load_full_optimizer_state(module, opt, full_states[idx])
+            elif isinstance(opt, ZeroRedundancyOptimizer):
+                _set_zero1_state(module, opt, state[f"optimizer_{idx}"])
             else:
                 set_optimizer_state_dict(module, opt, state[f"optimizer_{idx}"])
         return meta

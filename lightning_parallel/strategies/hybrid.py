@@ -783,11 +783,9 @@ class HybridParallelStrategy(ParallelStrategy):
         target = self.broadcast(str(filepath))
         checkpoint[RNG_KEY] = gather_rng_states()
         if self._async_writer is not None and self._fitting_now():
-            self._async_writer.save(checkpoint, ckpt.local_path(target, "async_save=True"),
-                                    zero1=self._uses_zero_redundancy_optimizer)
+            self._async_writer.save(checkpoint, ckpt.local_path(target, "async_save=True"))
         elif self._save_distributed_checkpoint:
-            ckpt.save_sharded(checkpoint, ckpt.local_path(target, "save_distributed_checkpoint=True"),
-                              zero1=self._uses_zero_redundancy_optimizer)
+            ckpt.save_sharded(checkpoint, ckpt.local_path(target, "save_distributed_checkpoint=True"))
         else:  # the string as given: Lightning's checkpoint IO writes fsspec URLs (s3://, gs://) itself
             super().save_checkpoint(checkpoint, target, storage_options)
 

@@ -30,12 +30,25 @@ def _save(family: str, path: Path, **kwargs: Any) -> Path:
     return path
 
 
-def _reference(path: Path) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+def _reference(path: Path, inputs: torch.Tensor = INPUT) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(path)
     with torch.no_grad():
-        return {n: p.detach().clone() for n, p in model.named_parameters()}, model(input_ids=INPUT).logits
+        return {n: p.detach().clone() for n, p in model.named_parameters()}, model(input_ids=inputs).logits
+
+
+def _assert_loaded(results: list[list[dict[str, Any]]], cases: Any, params: dict[str, torch.Tensor], logits: torch.Tensor) -> None:
+    """Every rank under every strategy: ``from_pretrained``'s parameters and logits, having read at
+    most its share of the checkpoint's bytes."""
+    total = sum(p.numel() * p.element_size() for p in params.values())
+    for rank, per_strategy in enumerate(results):
+        for (strategy, share), seen in zip(cases, per_strategy):
+            assert seen["params"].keys() == params.keys()
+            for name, value in params.items():
+                assert torch.equal(seen["params"][name], value), f"{strategy} rank {rank}: {name}"
+            torch.testing.assert_close(seen["logits"], logits, rtol=1e-5, atol=1e-5, msg=lambda m: f"{strategy}: {m}")
+            assert seen["read"] <= share * total, f"{strategy} rank {rank} read {seen['read']} of {total} bytes"
 
 
 def run_loaded(path: str, strategies: list[str], devices: int) -> list[dict[str, Any]]:
@@ -70,16 +83,9 @@ def test_sharded_safetensors_into_zero3_and_tp_give_single_process_logits(tmp_pa
     path = _save("llama", tmp_path / "llama")
     assert len(list(path.glob("*.safetensors"))) > 2 and (path / "model.safetensors.index.json").is_file()
     params, logits = _reference(path)
-    total = sum(p.numel() * p.element_size() for p in params.values())
     cases = (("zero3", 0.6), ("tp", 0.65))
     results = run_distributed(run_loaded, 2, str(path), [s for s, _ in cases], 2, init_backend=None, timeout=400)
-    for rank, per_strategy in enumerate(results):
-        for (strategy, share), seen in zip(cases, per_strategy):
-            assert seen["params"].keys() == params.keys()
-            for name, value in params.items():
-                assert torch.equal(seen["params"][name], value), f"{strategy} rank {rank}: {name}"
-            torch.testing.assert_close(seen["logits"], logits, rtol=1e-5, atol=1e-5, msg=lambda m: f"{strategy}: {m}")
-            assert seen["read"] <= share * total, f"{strategy} rank {rank} read {seen['read']} of {total} bytes"
+    _assert_loaded(results, cases, params, logits)
 
 
 def run_predicted(path: str, strategies: list[Any], devices: int) -> list[dict[str, Any]]:
@@ -112,24 +118,12 @@ BATCH = torch.arange(64).reshape(4, 16) % 64
 
 def test_sharded_safetensors_into_pipelines_and_3d_give_single_process_logits(tmp_path: Path) -> None:
     """dp2 x pp2 and '3d' (tp2 x pp2 on 4 ranks): each rank reads only its stage's slices."""
-    import transformers
-
     path = _save("llama", tmp_path / "llama")
-    reference = transformers.AutoModelForCausalLM.from_pretrained(path)
-    with torch.no_grad():
-        logits = reference(input_ids=BATCH).logits
-    params = {n: p.detach() for n, p in reference.named_parameters()}
-    total = sum(p.numel() * p.element_size() for p in params.values())
+    params, logits = _reference(path, BATCH)
     cases = (({"class": "lightning_parallel:HybridParallelStrategy", "pipeline_parallel_size": 2}, 0.65), ("3d", 0.4))
     results = run_distributed(run_predicted, 4, str(path), [s for s, _ in cases], 4, init_backend=None, timeout=400)
     assert "tp=2" in results[0][1]["dims"] and "pp=2" in results[0][1]["dims"], results[0][1]["dims"]
-    for rank, per_strategy in enumerate(results):
-        for (strategy, share), seen in zip(cases, per_strategy):
-            assert seen["params"].keys() == params.keys()
-            for name, value in params.items():
-                assert torch.equal(seen["params"][name], value), f"{strategy} rank {rank}: {name}"
-            torch.testing.assert_close(seen["logits"], logits, rtol=1e-5, atol=1e-5, msg=lambda m: f"{strategy}: {m}")
-            assert seen["read"] <= share * total, f"{strategy} rank {rank} read {seen['read']} of {total} bytes"
+    _assert_loaded(results, cases, params, logits)
 
 
 def test_tied_gpt2_and_torch_state_dict_load_in_one_process(tmp_path: Path) -> None:

@@ -94,6 +94,12 @@ from torch.distributed.pipelining.schedules import _Action as PipelineAction
 from torch.distributed.pipelining.schedules import _ComputationType as PipelineComputationType
 from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime as PipelineScheduleRuntime
 
+# --- FSDP2 internals ------------------------------------------------------------------------
+# Why: the base class of a custom reduce-scatter (``FSDPModule.set_custom_reduce_scatter``, a
+# public method whose argument type is not exported): on the CPU ours frees the input after the
+# blocking collective (parallel/fsdp_host.py). Since: 2.9. Public: none yet.
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as FsdpReduceScatter
+
 # --- nn internals ---------------------------------------------------------------------------
 # Why: one base class for BatchNorm1d/2d/3d (and their lazy forms) to find and replace them for
 # data-parallel statistics. Since: 2.4 (far older). Public: none; the tuple of public classes
@@ -222,6 +228,18 @@ def process_group_device(group: Any = None) -> torch.device:
     return distributed_c10d._get_pg_default_device(group)
 
 
+def set_fsdp_unshard_async(module: Any, async_op: bool) -> None:
+    """``FSDPModule._set_unshard_async_op``: issue this module's (and its FSDP2 submodules')
+    all-gathers with ``async_op``.
+
+    Why: on the CPU, FSDP2's blocking all-gathers keep the flat output of the last forward
+    all-gather alive for a stream overlap the CPU does not have; asynchronous ones free it at the
+    copy-out and let the backward prefetch run on gloo's thread (parallel/fsdp_host.py).
+    Since: 2.6. Public: none yet (FSDPModule.unshard(async_op=True) for explicit prefetching).
+    """
+    module._set_unshard_async_op(async_op)
+
+
 def multihead_attention_init(module: nn.MultiheadAttention) -> Any:
     """``nn.MultiheadAttention._reset_parameters``: the module's own initialisation, as a callable.
 
@@ -242,6 +260,9 @@ class PrivateApi:
 
 
 PRIVATE_APIS: tuple[PrivateApi, ...] = (
+    PrivateApi("FsdpReduceScatter", "torch.distributed.fsdp._fully_shard._fsdp_api:ReduceScatter", "2.9", "none yet"),
+    PrivateApi("set_fsdp_unshard_async", "torch.distributed.fsdp:FSDPModule._set_unshard_async_op", "2.6",
+               "none yet (FSDPModule.unshard(async_op=True))"),
     PrivateApi("tree_map", "torch.utils._pytree:tree_map", "2.4", "none yet (optree)"),
     PrivateApi("tree_leaves", "torch.utils._pytree:tree_leaves", "2.4", "none yet (optree)"),
     PrivateApi("tree_flatten", "torch.utils._pytree:tree_flatten", "2.4", "none yet (optree)"),
@@ -296,15 +317,16 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
 PRIVATE_ATTRIBUTES = frozenset({"_flatten", "_unflatten", "_set_params_and_buffers_to_ignore_for_model",
                                 "_run_with_interpreter", "_foreach_norm", "_local_tensor",
                                 "_assert_tensor_metadata", "_stages", "_stage", "_parse_to",
-                                "_resolve_process_group", "_reset_parameters", "_get_pg_default_device"})
+                                "_resolve_process_group", "_reset_parameters", "_get_pg_default_device",
+                                "_set_unshard_async_op"})
 
 __all__ = [
     "PRIVATE_APIS", "PRIVATE_ATTRIBUTES", "TORCH_LOWER_BOUND", "AsyncCollectiveTensor", "BatchNormBase",
-    "DeviceContext", "FakeTensor", "GraphPipelineStage", "PipelineAction", "PipelineComputationType",
+    "DeviceContext", "FakeTensor", "FsdpReduceScatter", "GraphPipelineStage", "PipelineAction", "PipelineComputationType",
     "PipelineScheduleRuntime", "PrivateApi", "StridedShard", "TreeSpec", "assert_tensor_metadata_op",
     "checkpoint_module", "compute_local_shape_and_global_offset", "ddp_ignore", "device_constructors",
     "flatten_mesh", "foreach_norm", "functional_collectives", "local_tensor", "modify_graph_op_device",
     "multihead_attention_init", "parse_to", "parse_to_device", "process_group_device",
-    "resolve_process_group", "run_generated_code",
+    "resolve_process_group", "run_generated_code", "set_fsdp_unshard_async",
     "schedule_stages", "tree_flatten", "tree_leaves", "tree_map", "tree_unflatten", "unflatten_mesh",
 ]

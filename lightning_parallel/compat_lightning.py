@@ -67,6 +67,17 @@ def attached_trainer(module: Any) -> Any | None:
     return getattr(module, "_trainer", None)
 
 
+def backward_skipped(trainer: Any) -> bool:
+    """``trainer.fit_loop._skip_backward``: whether the running fit skips backward and ``zero_grad``
+    (Lightning's ``StochasticWeightAveraging`` sets it while it recomputes BatchNorm statistics).
+
+    Why: the strategy frees gradients early only when Lightning's ``zero_grad`` follows
+    (``strategies/early_zero_grad.py``). Since: 2.1. Public: none.
+    """
+    fit_loop = getattr(trainer, "fit_loop", None)
+    return bool(getattr(fit_loop, "_skip_backward", False))
+
+
 def set_device_mesh(module: Any, mesh: Any) -> None:
     """Set ``LightningModule._device_mesh``, which the read-only ``device_mesh`` property returns.
 
@@ -117,15 +128,16 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
                "none"),
     PrivateApi("attached_trainer", "lightning.pytorch:LightningModule.trainer", "2.1", "LightningModule.trainer"),
     PrivateApi("set_device_mesh", "lightning.pytorch:LightningModule.device_mesh", "2.3", "none"),
+    PrivateApi("backward_skipped", "lightning.pytorch.loops.fit_loop:_FitLoop._skip_backward", "2.1", "none"),
 )
 
 #: Private attribute names reached only through the wrappers above (the test rejects
 #: ``x.<name>`` and ``getattr(x, "<name>")`` for these anywhere else in the package).
-PRIVATE_ATTRIBUTES = frozenset({"_trainer", "_device_mesh", "_optimizer"})
+PRIVATE_ATTRIBUTES = frozenset({"_trainer", "_device_mesh", "_optimizer", "_skip_backward"})
 
 __all__ = [
     "LIGHTNING_LOWER_BOUND", "PRIVATE_APIS", "PRIVATE_ATTRIBUTES", "MultiProcessingLauncher", "PrivateApi",
-    "SubprocessScriptLauncher", "all_gather_ddp_if_available", "attached_trainer", "default_process_group_backend_for_device",
+    "SubprocessScriptLauncher", "all_gather_ddp_if_available", "attached_trainer", "backward_skipped", "default_process_group_backend_for_device",
     "destroy_dist_connection", "distributed_is_initialized", "init_dist_connection", "optimizers_to_device",
     "set_device_mesh", "sync_ddp_if_available", "unwrap_optimizer",
 ]

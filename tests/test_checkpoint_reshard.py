@@ -16,7 +16,9 @@ from typing import Any
 
 import pytest
 import torch
+from lightning.pytorch import Callback
 
+from lightning_parallel.compat import tree_leaves
 from lightning_parallel.export import export_state_dict, load_model_state
 from lightning_parallel.strategies.resume import rng_state_for_rank
 from lightning_parallel.testing import run_distributed
@@ -65,12 +67,39 @@ def _assert_continues(resumed: dict[str, Any], reference: dict[str, Any], label:
         assert error <= 1e-5 or float(ref.norm()) < 1e-8, f"{label} {name}: relative error {error:.2e}"
 
 
+class NoStateByObjectCollective(Callback):
+    """A resume broadcasts no optimizer (or model) tensor inside an object collective: a consolidated
+    file goes out tensor by tensor, and each rank keeps what it holds (ZeRO-1: its partition's
+    states). Counts the floating-point bytes every ``broadcast_object_list`` delivers during set-up
+    and restore; before, a ZeRO-1 rank received the whole consolidated optimizer state that way."""
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        import torch.distributed as dist
+
+        self.original, self.floats = dist.broadcast_object_list, 0
+
+        def counted(objects: list[Any], *args: Any, **kwargs: Any) -> Any:
+            result = self.original(objects, *args, **kwargs)
+            self.floats += sum(t.numel() * t.element_size() for t in tree_leaves(objects)
+                               if isinstance(t, torch.Tensor) and t.is_floating_point())
+            return result
+
+        dist.broadcast_object_list = counted
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        import torch.distributed as dist
+
+        dist.broadcast_object_list = self.original
+        assert self.floats == 0, f"{self.floats} bytes of floating-point tensors arrived through broadcast_object_list"
+
+
 CASES_2 = [  # (label, first layout, second layout, sharded files)
     ("zero3->dp", {"zero_stage": 3}, {"zero_stage": 0}, True),
     ("dp->zero3 (full file)", {"zero_stage": 0}, {"zero_stage": 3}, False),
     ("zero1->zero2", {"zero_stage": 1}, {"zero_stage": 2}, True),  # ZeRO-1: each rank wrote its partition
     ("zero3->zero1", {"zero_stage": 3}, {"zero_stage": 1}, True),  # each ZeRO-1 rank reads its partition's states
     ("zero1->zero1", {"zero_stage": 1}, {"zero_stage": 1}, True),
+    ("dp->zero1 (full file)", {"zero_stage": 0}, {"zero_stage": 1}, False),  # each ZeRO-1 rank keeps its partition's states
 ]
 
 
@@ -91,7 +120,8 @@ def test_resume_across_data_parallel_layouts(tmp_path: Path) -> None:
             writers.setdefault(info.relative_path, set()).add(index.fqn)
     assert len(writers) == 2 and not set.intersection(*writers.values()), writers  # two ranks, disjoint states
     assert len(set.union(*writers.values())) == len(reference["params"]), writers  # every parameter's momentum
-    resumed = _run([b for _, b in pairs], 2)
+    watched = [(f"{__name__}:NoStateByObjectCollective", {})]
+    resumed = _run([dataclasses.replace(b, callbacks=watched) for _, b in pairs], 2)
     for (label, *_), result in zip(CASES_2, resumed):
         _assert_continues(result, reference, label)
     # single process -> dp2 x zero3 as well

@@ -262,6 +262,7 @@ TWO_RANK_SITES = {
     "strategies/pipeline_driver.py:_build", "strategies/log_exchange.py:__call__",
     "strategies/pipeline_driver.py:gather_state",
     "strategies/pipeline_checkpoint.py:_to_rank0", "strategies/pipeline_checkpoint.py:receive",
+    "parallel/fsdp_host.py:__call__",
 }
 """Call sites in lightning_parallel the 2-rank fits must reach (``docs/collectives.md`` lists all)."""
 

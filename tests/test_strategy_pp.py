@@ -9,7 +9,6 @@ free their copies), the logged metrics, and validate/predict/ModelCheckpoint res
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +32,7 @@ from lightning_parallel.parallel.pipeline_schedules import schedule_spec
 from lightning_parallel.testing import run_distributed
 from lightning_parallel.testing import parity
 from lightning_parallel.testing.parity import FitSpec, run_fit, run_fits, token_data
+from tests import gradient_probes
 from tests.test_data_parallel import HYBRID, assert_parity
 
 GPT_KWARGS = {"vocab_size": 64, "block_size": 16, "n_layer": 4, "n_head": 4, "n_embd": 32, "lr": 0.5}
@@ -48,27 +48,6 @@ CLIP = {"gradient_clip_val": 0.5}
 ACCUM = {"accumulate_grad_batches": 2}
 
 
-class OldGradientsFreed(pl.Callback):
-    """Under pipelines, the gradients there before a window's first batch are freed, not restored
-    for Lightning's zero_grad to drop (the schedule would run with two sets of the stages'
-    gradients alive); on the window's other batches the same tensors are kept and added to."""
-
-    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        self.batch_idx = batch_idx
-        self.refs = [(p, weakref.ref(p.grad)) for p in pl_module.parameters() if p.grad is not None]
-
-    def _pipelined(self, trainer: Any) -> bool:
-        return getattr(trainer.strategy, "_pipeline", None) is not None and self.batch_idx > 0
-
-    def on_before_zero_grad(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
-        if self._pipelined(trainer):  # a window's first batch: freed before the schedule
-            assert self.refs and all(ref() is None for _, ref in self.refs), f"batch {self.batch_idx}: old gradients alive"
-
-    def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
-        if self._pipelined(trainer) and self.batch_idx % trainer.accumulate_grad_batches:  # accumulated into
-            assert self.refs and all(p.grad is ref() for p, ref in self.refs), f"batch {self.batch_idx}: not accumulated in place"
-
-
 class LogsAsOneTensor(pl.Callback):
     """The step's logs and loss take the pickled broadcast once (the first step teaches every rank
     their layout), then one tensor broadcast per step (``strategies/log_exchange.py``)."""
@@ -79,7 +58,7 @@ class LogsAsOneTensor(pl.Callback):
             assert trainer.global_step > 1 and driver._log_exchange.pickled == 1, driver._log_exchange.pickled
 
 
-FREED = [(f"{__name__}:OldGradientsFreed", {}), (f"{__name__}:LogsAsOneTensor", {})]
+FREED = [*gradient_probes.FREED, (f"{__name__}:LogsAsOneTensor", {})]
 
 
 def _pp(schedule: str, pp: int = 2, **kwargs: Any) -> dict[str, Any]:
@@ -120,7 +99,8 @@ def _check_fits(cases: list[tuple[str, FitSpec]], world_size: int, timeout: floa
 
 TWO_RANK = [
     ("gpt gpipe+clip", dataclasses.replace(GPT_SPEC, strategy=_pp("gpipe"), devices=2, trainer_kwargs=CLIP, callbacks=FREED)),
-    ("gpt 1f1b m4+clip", dataclasses.replace(GPT_SPEC, strategy=_pp("1f1b", microbatches=4), devices=2, trainer_kwargs=CLIP)),
+    ("gpt 1f1b m4+clip", dataclasses.replace(GPT_SPEC, strategy=_pp("1f1b", microbatches=4), devices=2, trainer_kwargs=CLIP,
+                                             callbacks=gradient_probes.SEEN)),
     ("gpt zbv (zero bubble)", dataclasses.replace(GPT_SPEC, strategy=_pp("zbv"), devices=2)),
     ("mlp gpipe", dataclasses.replace(MLP_SPEC, strategy=_pp("gpipe"), devices=2)),
     # No clipping here: a clipped gradient hides a wrong accumulation scale.

@@ -35,6 +35,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_parallel.parallel.fsdp_host import release_host_buffers
+
 _DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16, "bf16": torch.bfloat16, "16": torch.float16}
 
 
@@ -114,6 +116,7 @@ def apply_fsdp(
     # The root's params are used first in forward and last in backward: never reshard them early.
     fully_shard(root, mesh=dp_mesh, reshard_after_forward=False, mp_policy=root_policy, offload_policy=offload)
     assert isinstance(root, FSDPModule)
+    release_host_buffers(fsdp_modules(root), torch.device(dp_mesh.device_type))  # CPU: nothing kept for streams
     return root
 
 

@@ -24,10 +24,12 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
+from lightning_parallel.parallel.fsdp_host import release_host_buffers
 from lightning_parallel.parallel.pipeline_tp import replace_parameters
 
 
@@ -54,6 +56,7 @@ def apply_stage_fsdp(
                     ignored_params={p for p in stage.parameters() if p in ignored} or None)
         after = dict(stage.named_parameters())
         mapping.update({before[name]: after[name] for name in before})
+    release_host_buffers([s for s in train_stages if isinstance(s, FSDPModule)], torch.device(dp_mesh.device_type))
     replace_parameters([module, *eval_stages], {id(old): new for old, new in mapping.items()})
     return mapping
 

@@ -323,7 +323,8 @@ def _collective_device(module: nn.Module) -> torch.device:
 def _load_consolidated(module: nn.Module, optimizers: list[Optimizer], path: Path, strict: bool) -> dict[str, Any]:
     """A consolidated file into any eager layout: rank 0 reads it (memory-mapped) and broadcasts it
     tensor by tensor; each rank keeps its shard (:func:`.pipeline_checkpoint.load_held_consolidated`,
-    with every tensor held). One process loads it directly."""
+    with every tensor held), and under ZeRO-1 the optimizer states of its partition only. One
+    process loads it directly."""
     if not _distributed():
         checkpoint, header = _read_consolidated(path)
         check_shapes({k: tuple(v.shape) for k, v in model_state(module, full=False).items()}, header["shapes"], path)
@@ -334,16 +335,14 @@ def _load_consolidated(module: nn.Module, optimizers: list[Optimizer], path: Pat
     from lightning_parallel.strategies.pipeline_checkpoint import load_held_consolidated
 
     device = _collective_device(module)
-    zero1 = [isinstance(opt, ZeroRedundancyOptimizer) for opt in optimizers]
-    rest = load_held_consolidated(module, [None if z else opt for opt, z in zip(optimizers, zero1)], path, strict, {}, device)
-    if any(zero1):  # ZeRO-1 loads a consolidated state on every rank and keeps its partition (its own API)
-        saved = torch.load(path, map_location="cpu", weights_only=False, mmap=True).get("optimizer_states", []) \
-            if dist.get_rank() == 0 else []
-        for idx, opt in enumerate(optimizers):
-            if zero1[idx]:
-                box = [saved[idx] if dist.get_rank() == 0 else None]
-                dist.broadcast_object_list(box, src=0)
-                _load_zero1_state(module, opt, box[0])
+    # ZeRO-1 steps only its partition: its local optimizer is the target, so a rank keeps the states
+    # of the parameters it steps and drops the others as they are broadcast (never the whole state).
+    targets = [opt.optim if isinstance(opt, ZeroRedundancyOptimizer) else opt for opt in optimizers]
+    rest = load_held_consolidated(module, targets, path, strict, {}, device)
+    for opt in optimizers:
+        if isinstance(opt, ZeroRedundancyOptimizer):  # it copies its global groups to the local ones at each step
+            for group, local in zip(opt.param_groups, opt.optim.param_groups):
+                group.update({k: v for k, v in local.items() if k != "params"})
     return rest
 
 

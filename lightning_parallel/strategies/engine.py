@@ -34,6 +34,7 @@ from lightning_parallel.parallel.dims import PP_DP
 from lightning_parallel.parallel.tp_loss import sharded_logits_step
 from lightning_parallel.strategies import checkpoint as ckpt
 from lightning_parallel.strategies import precision as prec
+from lightning_parallel.strategies.early_zero_grad import free_dropped_gradients
 from lightning_parallel.strategies.experts import add_moe_losses, reduce_expert_grads
 
 EVAL_HOOKS = ("validation_step", "test_step", "predict_step")
@@ -91,6 +92,7 @@ class EagerEngine:
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         s = self.strategy
+        free_dropped_gradients(s.lightning_module, s.train_batch_idx, s.optimizers)  # not held through the forward
         with sharded_logits_step(s.loss_parallel) as release:
             output = release(ParallelStrategy.training_step(s, *args, **kwargs))
         return add_moe_losses(s.lightning_module, output)

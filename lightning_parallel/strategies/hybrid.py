@@ -653,8 +653,8 @@ class HybridParallelStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ steps
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        """Remember the batch index: a pipeline step predicts from it whether Lightning's zero_grad
-        follows (``PipelineDriver._zeroed_before_backward``), as Lightning decides it."""
+        """Remember the batch index: a step predicts from it whether Lightning's zero_grad follows,
+        as Lightning decides it, and frees the gradients it would drop (``strategies/early_zero_grad.py``)."""
         self.train_batch_idx = batch_idx
         super().on_train_batch_start(batch, batch_idx)
 

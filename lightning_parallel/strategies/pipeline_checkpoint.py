@@ -292,7 +292,7 @@ def load_held_sharded(module: nn.Module, optimizers: Iterable[Optimizer], path: 
         del optimizer.state[p]
 
 
-def load_held_consolidated(module: nn.Module, optimizers: list[Optimizer | None], path: Path, strict: bool,
+def load_held_consolidated(module: nn.Module, optimizers: list[Optimizer], path: Path, strict: bool,
                            released: dict[str, torch.Size], device: torch.device) -> dict[str, Any]:
     """Load a consolidated file: rank 0 memory-maps it and broadcasts it tensor by tensor; every rank
     keeps its slice of what its stages hold. Returns the rest of the checkpoint (loops, callbacks).
@@ -300,7 +300,7 @@ def load_held_consolidated(module: nn.Module, optimizers: list[Optimizer | None]
     Also the loader of eager layouts (``released`` empty: every tensor held). Why not DCP's
     ``broadcast_from_rank0``: it slices by offset, which is wrong for packed tensor-parallel
     parameters (``_StridedShard``: GPT-2's ``c_attn``); ``distribute_tensor`` here slices them
-    right. ``None`` in ``optimizers``: an optimizer loaded elsewhere (ZeRO-1), skipped."""
+    right. A ZeRO-1 run passes its local optimizer: a rank keeps the states of its partition only."""
     checkpoint: dict[str, Any] = {}
     header: list[Any] = [None]
     if dist.get_rank() == 0:
@@ -338,8 +338,6 @@ def load_held_consolidated(module: nn.Module, optimizers: list[Optimizer | None]
             if key in targets:
                 _place(targets[key], full)
         for idx, (optimizer, layout) in enumerate(zip(optimizers, optim_layouts)):
-            if optimizer is None:
-                continue
             groups, params = _param_groups(module, optimizer)
             by_name = {name: p for p, name in params}
             init_held_state(optimizer, [p for p, name in params if name in held])

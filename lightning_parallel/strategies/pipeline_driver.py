@@ -75,6 +75,7 @@ from lightning_parallel.parallel.pipeline_schedules import (
     resolve_virtual_stages,
     schedule_spec,
 )
+from lightning_parallel.strategies.early_zero_grad import gradients_dropped_before_backward
 from lightning_parallel.strategies.experts import reduce_expert_grads
 from lightning_parallel.strategies.log_exchange import LogExchange
 from lightning_parallel.strategies import pipeline_checkpoint as pckpt
@@ -397,10 +398,9 @@ class PipelineDriver:
         accumulate = int(module.trainer.accumulate_grad_batches) if attached_trainer(module) is not None else 1
         params = runtime.owned_parameters()
         # The gradients already there are put back after the schedule, unless Lightning's zero_grad
-        # drops them before this step's backward anyway: then they are freed now, not held beside
-        # the new ones for the whole schedule (one gradient copy of the stages: 272 of 896 MiB per
-        # rank at the peak of pp4 on the 1 GiB GPT of benchmarks/bench_memory.py).
-        keep = not self._zeroed_before_backward(module, accumulate)
+        # drops them before this step's backward anyway, unobserved: then they are freed now, not
+        # held beside the new ones for the whole schedule (strategies/early_zero_grad.py).
+        keep = not gradients_dropped_before_backward(module, self.strategy.train_batch_idx)
         previous = [p.grad if keep else None for p in params]
         for p in params:
             p.grad = None
@@ -423,18 +423,6 @@ class PipelineDriver:
         if self._moe:
             self._log_moe(moe_losses)
         return (loss * accumulate).to(self.device).detach().requires_grad_(True)
-
-    def _zeroed_before_backward(self, module: pl.LightningModule, accumulate: int) -> bool:
-        """Whether Lightning zeroes the gradients between this ``training_step`` and its backward:
-        on the first batch of each ``accumulate_grad_batches`` window, with the default
-        ``optimizer_zero_grad`` (an override may keep them, so they are kept then). A callback's
-        ``on_before_zero_grad`` then sees ``grad=None``: the old gradients are already gone."""
-        batch_idx = self.strategy.train_batch_idx
-        if batch_idx is None or attached_trainer(module) is None:
-            return False
-        if type(module).optimizer_zero_grad is not pl.LightningModule.optimizer_zero_grad:
-            return False
-        return batch_idx % accumulate == 0
 
     def _log_moe(self, record: MoEStepRecord) -> None:
         """Log what an MoE model logs without pipelines, from layers that live on several stages:

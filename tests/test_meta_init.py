@@ -152,6 +152,12 @@ def test_meta_init_four_ranks_dp_x_tp_hsdp_and_pipelines() -> None:
          "init_module", 0.62),
         ("dp2 x pp2 zero3 llama", _hf("llama", {"class": HYBRID, "pipeline_parallel_size": 2, "zero_stage": 3}, 4),
          "init_module", 0.62),
+        # Experts on pipeline stages: traced on meta (MoE units as opaque ops), this stage's experts split over ep
+        # while meta, then materialised. One block per stage (2 layers: every path, less CPU time); a stage is half
+        # the model, its experts 82% of it: a rank holds 0.29; one that allocated the model (1.0, what this layout
+        # did before) or its whole stage (0.5) before splitting the experts exceeds 0.35.
+        ("pp2 x ep2 mixtral", _hf("mixtral", {"class": HYBRID, "pipeline_parallel_size": 2, "expert_parallel_size": 2}, 4,
+                                  n_layer=2), "init_module", 0.35),
     ]
     _check(cases, 4)
 
@@ -176,6 +182,31 @@ def test_uninitialised_tensor_is_a_typed_error() -> None:
         model = Bare()
     with pytest.raises(TypeError, match=r"scale.*never initialised.*HINT: give Bare a reset_parameters"):
         materialize_meta_module(model, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("model", ["zoo MoEGPT", "mixtral"])
+def test_meta_output_forward_runs_moe_units_as_opaque_ops(model: str) -> None:
+    """The forward-count probe's meta forward of an MoE model (pipelines with ep trace meta-built
+    models): the MoE layers' internals, which have no faithful meta kernels (``nonzero`` in the
+    zoo's dispatch, a bf16-only ``grouped_mm`` meta kernel in Mixtral's experts), are not run; each
+    unit answers with its input's shape, as in the traced stages. The units' own forwards come back."""
+    from lightning_parallel.models import MoEGPT
+    from lightning_parallel.parallel.pipeline_meta import meta_output_forward
+    from lightning_parallel.parallel.pipeline_moe import opaque_units
+    from lightning_parallel.testing.real_models import VOCAB, HFCausalLM
+    from tests.test_strategy_ep import MOE_SPEC
+
+    with torch.device("meta"):
+        module = MoEGPT(**MOE_SPEC.model_kwargs) if model == "zoo MoEGPT" else HFCausalLM("mixtral")
+    units = opaque_units(module)
+    assert units, model
+    x = torch.randint(0, VOCAB, (4, 16))
+    with meta_output_forward(module, (x,), {}, torch.device("cpu")):
+        out = module(x)
+    logits = out[0] if isinstance(out, tuple) else out
+    assert logits.device.type == "cpu" and logits.shape == (4, 16, VOCAB) and not logits.any(), model
+    assert all("forward" not in unit.__dict__ for unit in units.values()), model
+    assert all(p.is_meta for p in module.parameters()), model
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2", "phi3", "gpt_neox", "qwen2_moe"])

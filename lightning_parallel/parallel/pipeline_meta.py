@@ -13,15 +13,22 @@ and initialises only what is left: this rank's stages. The random stream still c
 whole model (released modules are initialised on throw-away temporaries), so the stages hold
 the values one process builds.
 
-Which pipeline layouts take this path (:func:`stays_meta_until_traced`): every one without
-expert parallelism: pipeline stages alone, with tensor parallelism (DTensor shards materialise
-like any other), with replicated data parallelism, and with ZeRO (each rank materialises its
-stages whole, then FSDP2 shards them over the data-parallel ranks: at most one stage's full
-parameters, never the model). Expert parallelism on stages materialises the whole model before
-tracing instead (every rank allocates the model once, then releases other stages' tensors):
-tried on meta, :func:`meta_output_forward` (the model's forward on meta inputs, for the output
-shapes the forward-count probe answers with) fails for Hugging Face Mixtral: off the CPU its
-experts take the ``grouped_mm`` path, whose meta kernel accepts bf16 only.
+Every pipeline layout takes this path: pipeline stages alone, with tensor parallelism (DTensor
+shards materialise like any other), with replicated data parallelism, with ZeRO (each rank
+materialises its stages whole, then FSDP2 shards them over the data-parallel ranks: at most one
+stage's full parameters, never the model) and with expert parallelism (the experts of this
+rank's stages are split over ``ep`` while still meta, so a rank allocates only its block of its
+own stages' experts, as the eager ``ep`` layout does). Measured (``tests/test_meta_init.py``,
+pp2 x ep2 on a tiny Mixtral, 4 ranks): each rank holds 0.29 of the model's parameter bytes, where
+its stage alone is 0.5 and materialising the model before tracing, as pp x ep once did, held 1.0.
+
+MoE units never run on meta tensors. The tracer calls each one as an opaque op whose shape
+rule is "the output looks like the first input" (:mod:`.pipeline_moe`), and
+:func:`meta_output_forward` runs the model's forward the same way. Why: MoE internals have no
+faithful meta kernels. The package's ``MoE`` dispatches with ``nonzero`` (a data-dependent
+shape: no meta kernel at all), and Hugging Face Mixtral's experts take the ``grouped_mm`` path
+on meta tensors as on CPU, where torch's meta kernel accepts bf16 inputs only ("Expected inputs
+of BF16 type") while the CPU kernel takes fp32 too.
 """
 
 from __future__ import annotations
@@ -34,13 +41,9 @@ import torch
 from torch import nn
 
 from lightning_parallel.compat import tree_map
+from lightning_parallel.parallel.pipeline_moe import opaque_forwards
 
 _META = torch.device("meta")
-
-
-def stays_meta_until_traced(ep: int) -> bool:
-    """Whether the pipeline layout can trace a meta model and materialise its stages only (see doc)."""
-    return ep == 1
 
 
 def to_meta(tree: Any) -> Any:
@@ -53,13 +56,14 @@ def meta_output_forward(
     target: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device, enabled: bool = True
 ) -> Iterator[None]:
     """Within the block, ``target.forward`` returns zeros on ``device`` shaped like its output for
-    ``args``/``kwargs`` (computed once on meta tensors). Why: the forward-count probe runs the whole
-    step, whose code after the forward (a metric's ``unique``, an ``.item()``) may have no meta
-    kernel or need values; the step sees real tensors, the model's meta weights are never read."""
+    ``args``/``kwargs`` (computed once on meta tensors, MoE units as the tracer's opaque ops: see
+    the module docstring). Why: the forward-count probe runs the whole step, whose code after the
+    forward (a metric's ``unique``, an ``.item()``) may have no meta kernel or need values; the
+    step sees real tensors, the model's meta weights are never read."""
     if not enabled:
         yield
         return
-    with torch.no_grad():
+    with torch.no_grad(), opaque_forwards(target):
         shaped = target(*to_meta(tuple(args)), **to_meta(dict(kwargs)))
     zeros = tree_map(lambda t: torch.zeros_like(t, device=device) if isinstance(t, torch.Tensor) else t, shaped)
     saved = target.__dict__.get("forward")
@@ -108,4 +112,4 @@ def retarget_devices(stage_modules: Iterable[nn.Module], device: torch.device) -
     return changed
 
 
-__all__ = ["meta_output_forward", "retarget_devices", "stays_meta_until_traced", "to_meta"]
+__all__ = ["meta_output_forward", "retarget_devices", "to_meta"]

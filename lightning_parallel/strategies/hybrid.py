@@ -59,7 +59,6 @@ from lightning_parallel.parallel.pipeline_schedules import resolve_virtual_stage
 from lightning_parallel.parallel.dims import DP, EDP, TP, Degree, ParallelDims
 from lightning_parallel.parallel.expert_parallel import validate_expert_parallel
 from lightning_parallel.parallel.materialize import MetaInitContext, RngSnapshot, has_meta_tensors, materialize_meta_module, move_real_tensors
-from lightning_parallel.parallel.pipeline_meta import stays_meta_until_traced
 from lightning_parallel.parallel.tensor_parallel import apply_tensor_parallel
 from lightning_parallel.parallel.tp_plan import TensorParallelPlan, resolve_tp_plan
 from lightning_parallel.parallel.zero import shard_optimizer_state
@@ -494,8 +493,7 @@ class HybridParallelStrategy(ParallelStrategy):
             # tensor parallelism is applied to the traced stages then (parallel/pipeline_tp.py).
             if dims.tp > 1:
                 self._log_tp_plan()
-            if not stays_meta_until_traced(dims.ep):
-                self._materialize(module)  # ep stages: the whole meta model, before tracing
+            # A meta-built model stays meta: the driver traces it and materialises this rank's stages only.
             self._pipeline = PipelineDriver(self, module)
             return module
         apply_layer_sync(self._layer_sync, module, dims)  # BatchNorm statistics over the dp group

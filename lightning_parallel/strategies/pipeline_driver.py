@@ -273,17 +273,20 @@ class PipelineDriver:
             swap_optimizer_parameters(self._optimizers(), mapping)
             for stage_module in self._runtime.stage_modules():
                 replicate_opaque_calls(stage_module)
-        if meta:  # allocate and initialise only what this rank's stages kept (tp shards included)
-            retarget_devices(self._runtime.stage_modules(), self.device)
-            replaced = self.strategy._materialize(self.module, in_place=True, also=self._runtime.stage_modules(),
-                                                  full_shapes=self._runtime.released)
-            swap_optimizer_parameters(self._optimizers(), {o: n for o, n in replaced.items() if isinstance(o, nn.Parameter)})
-        if self.dims.ep > 1:  # -> expert parallel: shard the experts this rank's stages kept
+        experts: list[nn.Parameter] = []
+        if self.dims.ep > 1:  # -> expert parallel: split the experts this rank's stages kept (still meta for a meta model)
             mapping = apply_stage_expert_parallel(
                 self.module, self._runtime.stage_modules(), self._runtime.owned_parameter_names(), self.dims.axis(EP), self.dims.axis(DP)
             )
             swap_optimizer_parameters(self._optimizers(), mapping)
-            self._expert_params = {id(p) for p in mapping.values()}
+            experts = list(mapping.values())
+        if meta:  # allocate and initialise only what this rank's stages kept (tp shards and expert blocks included)
+            retarget_devices(self._runtime.stage_modules(), self.device)
+            replaced = self.strategy._materialize(self.module, in_place=True, also=self._runtime.stage_modules(),
+                                                  full_shapes=self._runtime.released)
+            swap_optimizer_parameters(self._optimizers(), {o: n for o, n in replaced.items() if isinstance(o, nn.Parameter)})
+            experts = [replaced.get(p, p) for p in experts]
+        self._expert_params = {id(p) for p in experts}
         if self.dims.dp > 1 and self.strategy.zero_stage >= 1:  # -> data-parallel sharding (FSDP2 per stage)
             runtime = self._runtime
             # MoE layers run eagerly inside opaque ops, on the layer's own parameters, which FSDP2

@@ -36,11 +36,11 @@ import statistics
 import tempfile
 from typing import Any
 
+import lightning_parallel  # noqa: F401  (first: registers the strategy names, and keeps `import lightning` working beside a torchvision whose C extension does not load)
 import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-import lightning_parallel  # noqa: F401  (registers the strategy names)
 from lightning_parallel import HybridParallelStrategy
 from lightning_parallel.callbacks import ParallelismMonitor
 from lightning_parallel.launcher import run_distributed

@@ -21,6 +21,7 @@ import argparse
 import statistics
 from typing import Any
 
+import lightning_parallel  # noqa: F401  (first: registers the strategy names, and keeps `import lightning` working beside a torchvision whose C extension does not load)
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F

@@ -39,7 +39,8 @@ path's step starts on every rank together (a barrier outside the timing), so a r
 runs from the common start to that rank's end, and the slowest rank's is the step's critical
 path; without it the last stage's rank, which finishes before rank 0 (rank 0 runs the final
 backward), started the next path's step early and was charged the wait.
-``--rounds`` repeats every configuration and keeps each path's fastest median. With more
+``--rounds`` repeats every configuration; each round's ratio compares the paths of that round (they
+ran interleaved), and the table shows the median of the rounds' ratios (and each round's). With more
 processes than free CPU cores (``p=4`` on 2 cores) ranks time-share cores and absolute times
 mean little; the ratios still compare like with like.
 
@@ -67,6 +68,7 @@ import statistics
 import time
 from typing import Any
 
+import lightning_parallel  # noqa: F401  (first: registers the strategy names, and keeps `import lightning` working beside a torchvision whose C extension does not load)
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
@@ -75,7 +77,6 @@ from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.utils.data import DataLoader, TensorDataset
 
-import lightning_parallel  # noqa: F401  (registers the strategy names)
 from lightning_parallel import HybridParallelStrategy
 from lightning_parallel.callbacks.measure import model_state_bytes
 from lightning_parallel.launcher import run_distributed
@@ -165,6 +166,7 @@ class _Runner:
         self.args = args
         self.x_all, self.y_all = _data(args)
         self.times: list[float] = []
+        self.cpu: list[float] = []  # this process's CPU time per step (all its threads; waits in collectives excluded)
         self.losses: list[float] = []
         self.prof: Any = None  # a cProfile.Profile enabled around the steps after warm-up
 
@@ -178,9 +180,10 @@ class _Runner:
         if profiling:
             self.prof.enable()
         dist.barrier()  # every path's step starts on all ranks together (see _Interleave)
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         loss = self.step(x, y)
         self.times.append(time.perf_counter() - start)
+        self.cpu.append(time.process_time() - cpu)
         if profiling:
             self.prof.disable()
         if loss is not None:
@@ -257,16 +260,18 @@ class _Interleave(pl.Callback):
     def __init__(self, others: list[_Runner], warmup: int) -> None:
         self.others, self.warmup = others, warmup
         self.times: list[float] = []
+        self.cpu: list[float] = []
         self.losses: list[float] = []
         self.prof: Any = None
-        self._last = 0.0
+        self._last = self._last_cpu = 0.0
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._last = time.perf_counter()
+        self._last, self._last_cpu = time.perf_counter(), time.process_time()
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         self.times.append(time.perf_counter() - self._last)  # data loading and every Lightning hook included
+        self.cpu.append(time.process_time() - self._last_cpu)
         if self.prof is not None:
             self.prof.disable()
         self.losses.append(float(outputs["loss"]))
@@ -279,7 +284,7 @@ class _Interleave(pl.Callback):
         dist.barrier()
         if self.prof is not None and batch_idx + 1 >= self.warmup:  # the timed window: data loading included
             self.prof.enable()
-        self._last = time.perf_counter()
+        self._last, self._last_cpu = time.perf_counter(), time.process_time()
 
 
 def run_lightning(args: argparse.Namespace, m: int, schedule: str, others: list[_Runner],
@@ -298,7 +303,7 @@ def run_lightning(args: argparse.Namespace, m: int, schedule: str, others: list[
     )
     loader = DataLoader(TensorDataset(x_all, y_all), batch_size=args.batch, shuffle=False, drop_last=True)
     trainer.fit(model, loader)
-    return {"times": callback.times, "losses": callback.losses if dist.get_rank() == pp - 1 else [],
+    return {"times": callback.times, "cpu": callback.cpu, "losses": callback.losses if dist.get_rank() == pp - 1 else [],
             "state": model_state_bytes(model, trainer.optimizers)}
 
 
@@ -324,7 +329,7 @@ def run_config(args: argparse.Namespace, m: int, schedule: str, profile: tuple[s
         runners[profile[0]].prof = profile[1]
     lightning = run_lightning(args, m, schedule, list(runners.values()),
                               prof=profile[1] if profile is not None and profile[0] == "lightning" else None)
-    out = {name: {"times": r.times, "losses": r.losses, "state": r.state()} for name, r in runners.items()}
+    out = {name: {"times": r.times, "cpu": r.cpu, "losses": r.losses, "state": r.state()} for name, r in runners.items()}
     out["lightning"] = lightning
     return out
 
@@ -343,6 +348,8 @@ def _worker(args: argparse.Namespace) -> list[dict[str, Any]]:
                     result = results[name]
                     rows.append({"round": r, "m": m, "schedule": schedule, "path": name,
                                  "median": statistics.median(result["times"][args.warmup:]),
+                                 "cpu": statistics.median(result["cpu"][args.warmup:]),
+                                 "steps": result["times"][args.warmup:],
                                  "losses": result["losses"], "state": result["state"]})
     return rows
 
@@ -379,7 +386,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32, help="global batch (samples per step), cut into m microbatches")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--rounds", type=int, default=1, help="repeat every path; keep each path's fastest median")
+    parser.add_argument("--rounds", type=int, default=1, help="repeat every configuration; ratios are the median over rounds")
     parser.add_argument("--module", choices=("plain", "package"), default="plain",
                         help="the LightningModule of the lightning path: plain (cross-entropy, logged) or the package's GPT"
                              " (adds a torchmetrics accuracy per microbatch and sync_dist logging)")
@@ -400,39 +407,60 @@ def main() -> None:
     total = 3 * total_params  # one process: parameters + gradients + SGD momentum, all fp32
     print(f"CPU cores available: {len(os.sched_getaffinity(0))}; GPT n_layer={args.layers} n_head={args.heads} "
           f"n_embd={args.embd} vocab={args.vocab} block={args.block}; global batch {args.batch}; fp32, SGD momentum "
-          f"{MOMENTUM}; median of steps {args.warmup + 1}-{args.steps}, slowest rank; best of {args.rounds} round(s)"
+          f"{MOMENTUM}; median of steps {args.warmup + 1}-{args.steps}, slowest rank; {args.rounds} round(s)"
           f"{'; --codegen: our stages run generated code, not fx.Interpreter' if args.codegen else ''}")
     print(f"single-process model state (params + grads + momentum): {total / 2**20:.3f} MiB")
     header = (f"{'p':>2} {'m':>2} {'schedule':>8} {'manual ms':>10} {'engine ms':>10} {'lightning ms':>13} "
-              f"{'engine/man':>10} {'light/man':>10} {'loss manual':>12} {'loss engine':>12} {'loss light':>12} "
-              f"{'max rel diff':>13}")
+              f"{'engine/man':>10} {'light/man':>10} {'light/man per round':>34} {'eng steps':>10} {'light steps':>10} "
+              f"{'eng cpu':>10} {'light cpu':>10} {'loss manual':>12} {'loss light':>12} {'max rel diff':>13}")
     table, per_rank_lines, states = [header], [], {}
     for pp in args.pp:
         per_rank = run_distributed(_worker, pp, args, timeout=1800)
-        best: dict[tuple[int, str, str], dict[str, Any]] = {}
+        # per (m, schedule, path): one entry per round, each the slowest rank's median step (wall and CPU)
+        rounds: dict[tuple[int, str, str], list[dict[str, Any]]] = {}
         for i, row in enumerate(per_rank[0]):
             key = (row["m"], row["schedule"], row["path"])
-            median = max(r[i]["median"] for r in per_rank)  # slowest rank's median
-            losses = next(r[i]["losses"] for r in per_rank if r[i]["losses"])  # the last stage's rank has them
-            if key not in best or median < best[key]["median"]:
-                best[key] = {"median": median, "losses": losses, "per_rank": [r[i]["median"] for r in per_rank]}
+            rounds.setdefault(key, []).append({
+                "median": max(r[i]["median"] for r in per_rank), "cpu": max(r[i]["cpu"] for r in per_rank),
+                "steps": [max(step) for step in zip(*(r[i]["steps"] for r in per_rank))],  # slowest rank, per step
+                "losses": next(r[i]["losses"] for r in per_rank if r[i]["losses"]),  # the last stage's rank has them
+                "per_rank": [r[i]["median"] for r in per_rank]})
             states[(pp, row["path"])] = [r[i]["state"] for r in per_rank]  # independent of m and the schedule
         for m in args.microbatches:
             for schedule in args.schedules:
-                man, eng, lig = (best[(m, schedule, p)] for p in PATHS)
-                diff = max(abs(a - b) / abs(b) for other in (eng, lig) for a, b in zip(other["losses"], man["losses"]))
+                man, eng, lig = (rounds[(m, schedule, p)] for p in PATHS)
+
+                def ratio(path: list[dict[str, Any]], field: str = "median") -> list[float]:
+                    # per round, against the manual loop of the same round (they ran interleaved, step by step)
+                    return [a[field] / b[field] for a, b in zip(path, man)]
+
+                def mid(path: list[dict[str, Any]]) -> float:
+                    return statistics.median(r["median"] for r in path)
+
+                def paired_steps(path: list[dict[str, Any]]) -> float:
+                    # every timed step against the manual step run next to it, pooled over the rounds
+                    return statistics.median(a / b for r, ref in zip(path, man) for a, b in zip(r["steps"], ref["steps"]))
+
+                light_rounds = ratio(lig)
+                diff = max(abs(a - b) / abs(b) for path in (eng, lig) for r, ref in zip(path, man)
+                           for a, b in zip(r["losses"], ref["losses"]))
                 table.append(
-                    f"{pp:>2} {m:>2} {schedule:>8} {1e3 * man['median']:>10.1f} {1e3 * eng['median']:>10.1f} "
-                    f"{1e3 * lig['median']:>13.1f} {eng['median'] / man['median']:>10.3f} "
-                    f"{lig['median'] / man['median']:>10.3f} {man['losses'][-1]:>12.6f} {eng['losses'][-1]:>12.6f} "
-                    f"{lig['losses'][-1]:>12.6f} {diff:>13.1e}")
+                    f"{pp:>2} {m:>2} {schedule:>8} {1e3 * mid(man):>10.1f} {1e3 * mid(eng):>10.1f} {1e3 * mid(lig):>13.1f} "
+                    f"{statistics.median(ratio(eng)):>10.3f} {statistics.median(light_rounds):>10.3f} "
+                    f"{' '.join(f'{x:.3f}' for x in light_rounds):>34} {paired_steps(eng):>10.3f} {paired_steps(lig):>10.3f} "
+                    f"{statistics.median(ratio(eng, 'cpu')):>10.3f} {statistics.median(ratio(lig, 'cpu')):>10.3f} "
+                    f"{man[-1]['losses'][-1]:>12.6f} {lig[-1]['losses'][-1]:>12.6f} {diff:>13.1e}")
                 for name, res in zip(PATHS, (man, eng, lig)):
-                    per = " ".join(f"{1e3 * t:.1f}" for t in res["per_rank"])
+                    per = "; ".join(" ".join(f"{1e3 * t:.1f}" for t in r["per_rank"]) for r in res)
                     per_rank_lines.append(f"  p={pp} m={m} {schedule:>5} {name:>9}: {per}")
-    print("\nstep time (ratios: target <= 1.05); losses of the last step; max rel diff: largest relative difference "
-          "of engine's and lightning's per-step losses from manual's over all steps")
+    print("\nstep time: median over rounds of the slowest rank's median step. Ratios to the manual loop (target <= 1.05):"
+          " engine/man, light/man: per round (the paths of a round ran interleaved), median over rounds (each round's"
+          " light/man listed); 'steps': every timed step (slowest rank) against the manual step run beside it, median"
+          " over all steps of all rounds; 'cpu': per round, each process's CPU time per step (waits in collectives"
+          " excluded), median over rounds. Losses of the last step; max rel diff: largest relative difference of"
+          " engine's and lightning's per-step losses from manual's")
     print("\n".join(table))
-    print("\nper-rank median step ms (rank 0 .. p-1)")
+    print("\nper-rank median step ms (rank 0 .. p-1; rounds separated by ';')")
     print("\n".join(per_rank_lines))
     print("\nmodel-state bytes per rank (params + grads + optimizer state held after the last step) vs total / p "
           "(target <= 1.1)")

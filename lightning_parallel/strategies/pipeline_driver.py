@@ -202,6 +202,7 @@ class PipelineDriver:
         self._metric_table: dict[int, str] | None = None  # id -> name of the module's Metrics (see _with_output)
         self._log_exchange: LogExchange | None = None  # the training step's logs and loss to every stage
         self._keepers: dict[str, int] = {}
+        self._owned_params: list[nn.Parameter] = []  # what this rank steps, once traced (see _build)
         self._pending_load: tuple[Path, bool] | None = None  # a checkpoint to read once the stages exist
         self._moe = bool(opaque_units(module))
         self._expert_params: set[int] = set()  # ids of expert-parallel parameters (averaged over edp, not dp)
@@ -303,6 +304,9 @@ class PipelineDriver:
         dist.all_gather_object(released, sorted(self._runtime.released), group=self.group)
         names = [n for n, _ in (*self.module.named_parameters(), *self.module.named_buffers())]
         self._keepers = {n: min(r for r, gone in enumerate(released) if n not in gone) for n in names}
+        # The parameters this rank steps, final now that every layout has replaced its parameters: read
+        # every step (walking named_parameters each time cost 2.5 ms of a 550 ms pp2 m=8 step under cProfile).
+        self._owned_params = self._runtime.owned_parameters()
         if self._pending_load is not None:  # a resume: each rank reads what its stages now hold
             path, strict = self._pending_load
             self._pending_load = None
@@ -399,7 +403,7 @@ class PipelineDriver:
             )
         runtime = self.runtime
         accumulate = int(module.trainer.accumulate_grad_batches) if attached_trainer(module) is not None else 1
-        params = runtime.owned_parameters()
+        params = self._owned_params
         # The gradients already there are put back after the schedule, unless Lightning's zero_grad
         # drops them before this step's backward anyway, unobserved: then they are freed now, not
         # held beside the new ones for the whole schedule (strategies/early_zero_grad.py).

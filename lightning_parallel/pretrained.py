@@ -13,8 +13,11 @@ Two ways in, both for an unchanged model:
 
 The source is a Hugging Face ``save_pretrained`` directory (``model.safetensors``, or shards with
 ``model.safetensors.index.json``; ``pytorch_model.bin`` likewise), a ``.safetensors`` file or a
-torch state-dict file. Keys are the target module's own parameter names (what
-``save_pretrained`` writes for a ``transformers`` model; tied weights stored once).
+torch state-dict file. Keys are the target module's own parameter names (tied weights stored
+once), or, for a ``transformers`` model, what ``from_pretrained`` maps to them with the model's
+checkpoint conversion mapping: a Mixtral or Qwen2-MoE checkpoint stores one tensor per expert and
+projection, the model one fused ``experts.gate_up_proj`` / ``down_proj`` per layer
+(:mod:`lightning_parallel.pretrained_convert`).
 
 When. A target that still has meta tensors (built under ``Trainer.init_module(empty_init=True)``
 or ``torch.device("meta")``) is loaded after the strategy has laid it out and materialised it
@@ -25,12 +28,15 @@ holds now: everything, before a layout). A load still pending at the first forwa
 never a silent random model (a strategy that does not materialise meta models).
 
 How, and why safetensors slicing rather than DCP's Hugging Face storage reader: each rank opens
-the files with ``safe_open`` and reads ``get_slice(name)[rows, cols]`` for the global offsets of
-its local shard (``compute_local_shape_and_global_offset``), so only those bytes are read (the
-file is memory-mapped); torch files are opened with ``torch.load(mmap=True)`` and sliced the same
-way. No collective runs, so a missing key, an unexpected key or a shape mismatch is raised on
-every rank alike before any rank waits; DCP's reader plans the reads collectively and needs its
-state-dict keys, tied weights and dtypes prepared to match. The cast to the parameter's dtype
+the files with ``safe_open`` and reads ``get_slice(name)[rows, cols]`` for the global indices of
+its local shard (as DTensor splits them: one range per dim, or the parts of a packed
+``_StridedShard`` one), so only those bytes are read (the file is memory-mapped); torch files are
+opened with ``torch.load(mmap=True)`` and sliced the same way. A fused expert parameter is read as
+the boxes of the per-expert tensors its shard covers (its experts under expert parallelism, its
+gate and up rows of every expert under tensor parallelism). No collective runs, so a missing key,
+an unexpected key, a conversion that fails or a shape mismatch is raised on every rank alike
+before any rank waits; DCP's reader plans the reads collectively and needs its state-dict keys,
+tied weights and dtypes prepared to match. The cast to the parameter's dtype
 (a bf16 checkpoint into fp32 master weights) happens on the slice.
 """
 
@@ -38,7 +44,6 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -46,11 +51,13 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 from typing_extensions import override
 
-from lightning_parallel.compat import compute_local_shape_and_global_offset, tree_leaves
+from lightning_parallel.compat import StridedShard, tree_leaves
 from lightning_parallel.errors import config_error
+from lightning_parallel.pretrained_convert import (Box, Conversions, Lazy, Source, conversions, describe, full_box, plan_reads,
+                                                   runs_of)
 
 _PENDING_ATTR = "_lp_pending_pretrained"
 _WRAPPER_PARTS = ("_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_orig_mod")
@@ -77,11 +84,12 @@ def _source_files(path: Path) -> dict[str, Path] | Path:
 
 
 class _Reader:
-    """Open shard files lazily; hand out sliceable views of one key at a time."""
+    """Open shard files lazily; read boxes of one key at a time, counting the bytes read."""
 
     def __init__(self, source: dict[str, Path] | Path, stack: ExitStack) -> None:
         self._stack = stack
         self._open: dict[Path, Any] = {}
+        self.bytes_read = 0
         if isinstance(source, Path):
             self.files = {key: source for key in self._keys(source)}
         else:
@@ -107,11 +115,21 @@ class _Reader:
             return tuple(handle[key].shape)
         return tuple(handle.get_slice(key).get_shape())
 
+    def dtype(self, key: str) -> torch.dtype:
+        """From an empty slice (safetensors names dtypes in its own spelling; this reads no data)."""
+        handle = self._handle(self.files[key])
+        if isinstance(handle, dict):
+            return handle[key].dtype
+        return handle.get_slice(key)[0:0].dtype if self.shape(key) else handle.get_tensor(key).dtype
+
     def read(self, key: str, index: tuple[slice, ...]) -> Tensor:
         handle = self._handle(self.files[key])
         if isinstance(handle, dict):
-            return handle[key][index].clone()
-        return handle.get_slice(key)[index] if index else handle.get_tensor(key)
+            part = handle[key][index].clone()
+        else:
+            part = handle.get_slice(key)[index] if index else handle.get_tensor(key)
+        self.bytes_read += part.numel() * part.element_size()
+        return part
 
 
 def _clean(name: str) -> str:
@@ -137,57 +155,101 @@ def _targets(module: nn.Module) -> dict[str, tuple[Tensor, set[str]]]:
     return out
 
 
-def _local_index(tensor: Tensor) -> tuple[tuple[slice, ...], Tensor]:
-    """The global index range this rank holds of ``tensor`` and the local tensor to write."""
-    if isinstance(tensor, DTensor):
-        shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
-        return tuple(slice(o, o + s) for o, s in zip(offset, shape)), tensor.to_local()
-    return tuple(slice(0, s) for s in tensor.shape), tensor
+def _placement_on(placement: Placement, dim: int, ndim: int) -> Placement:
+    """``placement`` as it acts on tensor dim ``dim`` alone, moved to dim 0 of a 1-D index tensor."""
+    if isinstance(placement, StridedShard) and placement.dim % ndim == dim:
+        return StridedShard(0, split_factor=placement.split_factor)
+    if isinstance(placement, Shard) and placement.dim % ndim == dim:
+        return Shard(0)
+    return Replicate()
+
+
+def _held_indices(tensor: DTensor, dim: int) -> list[int]:
+    """The global indices of ``dim`` this rank holds, in its local order: the placements that split
+    ``dim`` applied to ``arange`` by DTensor itself (``src_data_rank=None``: a local split, no
+    collective), so packed ``_StridedShard`` parts and nested shards come out as DTensor lays them
+    out (``compute_local_shape_and_global_offset`` gives only the first offset of a strided shard)."""
+    on_dim = [_placement_on(p, dim, tensor.ndim) for p in tensor.placements]
+    index = torch.arange(tensor.shape[dim], device=tensor.device_mesh.device_type)
+    return distribute_tensor(index, tensor.device_mesh, on_dim, src_data_rank=None).to_local().tolist()
+
+
+def _local_box(tensor: Tensor) -> tuple[Box, Tensor]:
+    """The global index runs this rank holds of ``tensor``, per dim, and the local tensor to write."""
+    if not isinstance(tensor, DTensor):
+        return full_box(tuple(tensor.shape)), tensor
+    split = {p.dim % tensor.ndim for p in tensor.placements if isinstance(p, (Shard, StridedShard))}
+    box = tuple(runs_of(_held_indices(tensor, d)) if d in split else ((0, n),) for d, n in enumerate(tensor.shape))
+    return box, tensor.to_local()
+
+
+def _plan(module: nn.Module, reader: _Reader, path: str | os.PathLike[str], strict: bool,
+          targets: dict[str, tuple[Tensor, set[str]]], mapping: Conversions) -> dict[str, Lazy]:
+    """Each target's placeholder (its checkpoint tensor, or the conversion of several); raises if
+    keys are missing, unexpected (``strict``) or a conversion fails, naming the keys."""
+    names = {alias: name for name, (_, aliases) in targets.items() for alias in aliases}
+    plan = plan_reads(module, list(reader.files), names, lambda key: Source(reader, key), mapping)
+    missing = sorted(set(targets) - set(plan.tensors) - set(plan.failed))
+    if missing or (strict and plan.unexpected):
+        raise config_error(
+            KeyError if missing else ValueError, "pretrained checkpoint", str(path),
+            f"its keys do not match {type(module).__name__}'s: missing {missing[:5]} ({len(missing)}), "
+            f"unexpected {plan.unexpected[:5]} ({len(plan.unexpected)})",
+            "pass the submodule the checkpoint was saved from (e.g. self.model, not the LightningModule), "
+            "or strict=False to ignore unexpected keys",
+        )
+    if plan.failed:
+        raise config_error(ValueError, "pretrained checkpoint", str(path),
+                           f"its tensors do not convert to {type(module).__name__}'s (target: why): "
+                           f"{list(plan.failed.items())[:3]} ({len(plan.failed)})",
+                           "build the model from the checkpoint's config")
+    return plan.tensors
+
+
+def _check_shapes(lazies: dict[str, Lazy], shapes: dict[str, tuple[int, ...]], path: str | os.PathLike[str]) -> None:
+    """Every target's full shape against what its sources make (a wrong expert count, hidden size, ...)."""
+    wrong = []
+    for name, lazy in lazies.items():
+        try:
+            made: Any = lazy.shape
+        except (ValueError, RuntimeError) as err:  # sources that do not stack or concatenate
+            made = str(err)
+        if made != shapes[name]:
+            wrong.append((name, shapes[name], made, describe(lazy.sources())))
+    if wrong:
+        raise config_error(ValueError, "pretrained checkpoint", str(path),
+                           f"tensor shapes differ (name, model, checkpoint, from): {wrong[:5]} ({len(wrong)})",
+                           "build the model from the checkpoint's config")
 
 
 def load_pretrained_now(module: nn.Module, path: str | os.PathLike[str], strict: bool = True,
-                        released: dict[str, Any] | None = None) -> dict[str, int]:
+                        released: dict[str, Any] | None = None, mapping: Conversions | None = None) -> dict[str, int]:
     """Read into ``module``, as laid out now, the part of each tensor this rank holds.
 
     Returns ``{"tensors": ..., "bytes_read": ...}`` for this rank. Pipeline ranks skip the tensors
     they released (``released``: name -> full shape; other stages own them), whose shapes are
     checked against the full ones. Raises before reading if keys or shapes do not match.
+    Checkpoint keys are mapped to the module's tensors by ``transformers``' conversion mapping for
+    a ``transformers`` model (per-expert checkpoint tensors into fused expert parameters), as is
+    otherwise (:mod:`lightning_parallel.pretrained_convert`). ``mapping``: the one looked up before
+    the layout (:func:`load_pretrained` passes it), else looked up now.
     """
     full = {_clean(name): tuple(shape) for name, shape in (released or {}).items()}
     source = _source_files(Path(path))
     with ExitStack() as stack:
         reader = _Reader(source, stack)
         targets = _targets(module)
-        keys = {name: next((a for a in sorted(aliases) if a in reader.files), None) for name, (_, aliases) in targets.items()}
-        known = set().union(*(aliases for _, aliases in targets.values()))
-        missing = sorted(name for name, key in keys.items() if key is None)
-        unexpected = sorted(set(reader.files) - known)
-        if missing or (strict and unexpected):
-            raise config_error(
-                KeyError if missing else ValueError, "pretrained checkpoint", str(path),
-                f"its keys do not match {type(module).__name__}'s: missing {missing[:5]} ({len(missing)}), "
-                f"unexpected {unexpected[:5]} ({len(unexpected)})",
-                "pass the submodule the checkpoint was saved from (e.g. self.model, not the LightningModule), "
-                "or strict=False to ignore unexpected keys",
-            )
-        shapes = {k: full.get(k, tuple(t.shape)) for k, (t, _) in targets.items()}
-        wrong = [(k, shapes[k], reader.shape(keys[k])) for k in targets if shapes[k] != reader.shape(keys[k])]
-        if wrong:
-            raise config_error(ValueError, "pretrained checkpoint", str(path),
-                               f"tensor shapes differ (name, model, checkpoint): {wrong[:5]}",
-                               "build the model from the checkpoint's config")
-        read = 0
+        lazies = _plan(module, reader, path, strict, targets, conversions(module) if mapping is None else mapping)
+        _check_shapes(lazies, {k: full.get(k, tuple(t.shape)) for k, (t, _) in targets.items()}, path)
         with torch.no_grad():
             for name, (tensor, _) in targets.items():
                 if name in full:  # released by a pipeline rank: another stage holds it
                     continue
-                index, local = _local_index(tensor)
+                box, local = _local_box(tensor)
                 if local.numel() == 0:  # released by a pipeline rank, or an empty uneven shard
                     continue
-                part = reader.read(keys[name], index)
-                local.copy_(part.to(device=local.device, dtype=local.dtype))
-                read += part.numel() * part.element_size()
-    stats = {"tensors": len(targets), "bytes_read": read}
+                local.copy_(lazies[name].read(box).to(device=local.device, dtype=local.dtype))
+    stats = {"tensors": len(targets), "bytes_read": reader.bytes_read}
     module.__dict__["_lp_pretrained_stats"] = stats  # what this rank read, for logs and tests
     return stats
 
@@ -203,7 +265,7 @@ def _refuse_pending(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> Non
     if inputs and all(t.is_meta for t in inputs):
         return
     if getattr(module, _PENDING_ATTR, None):
-        paths = [str(p) for p, _ in getattr(module, _PENDING_ATTR)]
+        paths = [str(p) for p, *_ in getattr(module, _PENDING_ATTR)]
         raise RuntimeError(
             f"{type(module).__name__} still waits for its pretrained weights from {paths}: it was built on the meta "
             "device and no lightning_parallel strategy materialised it. HINT: use a lightning_parallel strategy "
@@ -215,16 +277,20 @@ def load_pretrained(module: nn.Module, path: str | os.PathLike[str], strict: boo
     """Load a ``save_pretrained`` directory or a state-dict file into ``module`` (see module doc).
 
     On a meta-device ``module`` the load waits for the strategy's layout and materialisation, so
-    each rank reads only its slices; otherwise it happens now. Checks the path at once.
+    each rank reads only its slices; otherwise it happens now. Checks the path at once, and looks
+    up the checkpoint conversion mapping now, on the model as built: FSDP2 gives a unit it wraps a
+    class of its own (``FSDPMixtralForCausalLM``, defined in torch), which transformers takes for
+    custom code without a mapping.
     """
     _source_files(Path(path))  # a wrong path fails here, in configure_model, not later on one rank
+    mapping = conversions(module)
     if not _has_meta(module):
-        load_pretrained_now(module, path, strict)
+        load_pretrained_now(module, path, strict, mapping=mapping)
         return
     pending = module.__dict__.setdefault(_PENDING_ATTR, [])
     if not pending:
         module.register_forward_pre_hook(_refuse_pending, with_kwargs=True)
-    pending.append((Path(path), strict))
+    pending.append((Path(path), strict, mapping))
 
 
 def run_pending_loads(root: nn.Module, released: dict[str, Any] | None = None) -> list[dict[str, int]]:
@@ -233,8 +299,8 @@ def run_pending_loads(root: nn.Module, released: dict[str, Any] | None = None) -
     done = []
     for prefix, sub in root.named_modules():
         own = {n.removeprefix(f"{prefix}."): shape for n, shape in (released or {}).items() if not prefix or n.startswith(f"{prefix}.")}
-        for path, strict in sub.__dict__.pop(_PENDING_ATTR, []):
-            done.append(load_pretrained_now(sub, path, strict, released=own))
+        for path, strict, mapping in sub.__dict__.pop(_PENDING_ATTR, []):
+            done.append(load_pretrained_now(sub, path, strict, released=own, mapping=mapping))
     return done
 
 

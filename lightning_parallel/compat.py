@@ -71,8 +71,8 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 # none yet (torch.distributed.tensor exports it only under its private name).
 from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
 
-# Why: which slice of a global tensor a rank holds, to read only those bytes of a pretrained
-# file and to index a sharded vocabulary. Since: 2.5. Public: none yet (DCP reaches the same
+# Why: which slice of a global tensor a rank holds, to index a sharded vocabulary (tp_loss; the
+# pretrained loader asks distribute_tensor instead, which also splits strided shards right). Since: 2.5. Public: none yet (DCP reaches the same
 # through DTensor.__create_chunk_list__, which is private too).
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -240,6 +240,26 @@ def set_fsdp_unshard_async(module: Any, async_op: bool) -> None:
     module._set_unshard_async_op(async_op)
 
 
+def module_has_hooks(module: nn.Module) -> bool:
+    """Whether calling ``module`` runs hooks of its own (``_forward_hooks``, ``_forward_pre_hooks``,
+    ``_backward_hooks``, ``_backward_pre_hooks``).
+
+    Why: a traced pipeline stage inlines a child's code into its own only when the call does
+    nothing else (parallel/pipeline_codegen.py); tensor parallelism and FSDP2 act through hooks.
+    Since: 2.4 (far older). Public: none (the register_* methods return handles, not a query).
+    """
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks)
+
+
+def global_module_hooks() -> bool:
+    """Whether any global module hook is registered (``nn.modules.module.register_module_forward_hook``
+    and its siblings), which would see every module call. Why and since: as :func:`module_has_hooks`."""
+    from torch.nn.modules import module as nn_module
+
+    return any(getattr(nn_module, name) for name in ("_global_forward_hooks", "_global_forward_pre_hooks",
+                                                    "_global_backward_hooks", "_global_backward_pre_hooks"))
+
+
 def multihead_attention_init(module: nn.MultiheadAttention) -> Any:
     """``nn.MultiheadAttention._reset_parameters``: the module's own initialisation, as a callable.
 
@@ -260,6 +280,8 @@ class PrivateApi:
 
 
 PRIVATE_APIS: tuple[PrivateApi, ...] = (
+    PrivateApi("module_has_hooks", "torch.nn.modules.module:Module._call_impl", "2.4", "none"),
+    PrivateApi("global_module_hooks", "torch.nn.modules.module:_global_forward_hooks", "2.4", "none"),
     PrivateApi("FsdpReduceScatter", "torch.distributed.fsdp._fully_shard._fsdp_api:ReduceScatter", "2.9", "none yet"),
     PrivateApi("set_fsdp_unshard_async", "torch.distributed.fsdp:FSDPModule._set_unshard_async_op", "2.6",
                "none yet (FSDPModule.unshard(async_op=True))"),
@@ -318,14 +340,16 @@ PRIVATE_ATTRIBUTES = frozenset({"_flatten", "_unflatten", "_set_params_and_buffe
                                 "_run_with_interpreter", "_foreach_norm", "_local_tensor",
                                 "_assert_tensor_metadata", "_stages", "_stage", "_parse_to",
                                 "_resolve_process_group", "_reset_parameters", "_get_pg_default_device",
-                                "_set_unshard_async_op"})
+                                "_set_unshard_async_op", "_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
+                                "_backward_pre_hooks", "_global_forward_hooks"})
 
 __all__ = [
     "PRIVATE_APIS", "PRIVATE_ATTRIBUTES", "TORCH_LOWER_BOUND", "AsyncCollectiveTensor", "BatchNormBase",
     "DeviceContext", "FakeTensor", "FsdpReduceScatter", "GraphPipelineStage", "PipelineAction", "PipelineComputationType",
     "PipelineScheduleRuntime", "PrivateApi", "StridedShard", "TreeSpec", "assert_tensor_metadata_op",
     "checkpoint_module", "compute_local_shape_and_global_offset", "ddp_ignore", "device_constructors",
-    "flatten_mesh", "foreach_norm", "functional_collectives", "local_tensor", "modify_graph_op_device",
+    "flatten_mesh", "foreach_norm", "functional_collectives", "global_module_hooks", "local_tensor",
+    "modify_graph_op_device", "module_has_hooks",
     "multihead_attention_init", "parse_to", "parse_to_device", "process_group_device",
     "resolve_process_group", "run_generated_code", "set_fsdp_unshard_async",
     "schedule_stages", "tree_flatten", "tree_leaves", "tree_map", "tree_unflatten", "unflatten_mesh",

@@ -206,6 +206,8 @@ def test_every_compat_entry_resolves_and_is_exported(entry: compat.PrivateApi) -
     ("torch.distributed.pipelining.schedules:PipelineScheduleSingle", "self._stage ="),
     ("torch.distributed.pipelining.schedules:PipelineScheduleMulti", "self._stages ="),
     ("torch.export.unflatten:InterpreterModule", "self._run_with_interpreter ="),
+    ("torch.nn.modules.module:Module", '"_forward_pre_hooks"'),  # module_has_hooks reads the four hook dicts
+    ("torch.nn.modules.module:Module", '"_backward_pre_hooks"'),
     ("torch.distributed.pipelining.stage:_PipelineStageBase", "self._stage_meta"),  # TracedStage rewrites it
 ])
 def test_instance_attributes_the_wrappers_rely_on_still_exist(owner: str, attribute: str) -> None:

@@ -49,6 +49,7 @@ from lightning_parallel.compat import (
 )
 from lightning_parallel.parallel.clip import total_norm
 from lightning_parallel.parallel.errors import config_error
+from lightning_parallel.parallel.pipeline_codegen import lean_stage_code
 from lightning_parallel.parallel.pipeline_moe import hold_unit_tensors, opaque_forwards
 from lightning_parallel.parallel.pipeline_plan import PipelinePlan, _compact
 from lightning_parallel.parallel.pipeline_tp import full_value, local_part
@@ -306,6 +307,7 @@ class PipelineRuntime:
         self._shared_meta = {n: (params[n].shape, params[n].dtype, params[n].device) for n in self._shared}
         self.last_losses: list[Tensor] = []
         self.released: dict[str, torch.Size] = {}
+        self._code_final = False  # see finalize_code
 
     @property
     def stages(self) -> list[_PipelineStage]:
@@ -382,6 +384,17 @@ class PipelineRuntime:
             args, kwargs = (), {}
         return args, kwargs, target if self.holds_last else None
 
+    def finalize_code(self) -> tuple[int, int]:
+        """Inline the stages' submodule calls and call operators through torch's Python bindings
+        (:mod:`.pipeline_codegen`), once: after tensor and expert parallelism have changed the stages
+        (their hooks keep a call in place) and before ZeRO wraps them (the pipeline driver calls it
+        there), or at the first step. Returns (calls inlined, operator calls rebound); (0, 0) after
+        the first time."""
+        if self._code_final:
+            return 0, 0
+        self._code_final = True
+        return lean_stage_code(self.stage_modules())
+
     def train_step(self, *args: Any, target: Any = None, broadcast_loss: bool = True, **kwargs: Any) -> Tensor:
         """Forward and backward of one batch through the pipeline; returns the full-batch loss on every rank
         (``broadcast_loss=False``: on the last stage's rank only, zero elsewhere, for a caller that
@@ -389,6 +402,7 @@ class PipelineRuntime:
 
         Gradients are added to ``.grad`` (nothing is zeroed), as one ``loss.backward()`` would.
         """
+        self.finalize_code()
         args, kwargs, target = self._inputs(args, kwargs, target)
         params = dict(self.module.named_parameters())
         before = {n: (None if params[n].grad is None else params[n].grad.clone()) for n in self._shared if n in self._owned}
@@ -425,6 +439,7 @@ class PipelineRuntime:
         """Forward only (eval-mode trace); the merged full-batch output on the last stage's rank, else None."""
         if self._eval is None:
             raise RuntimeError("This pipeline was built without an evaluation pipe (build_eval=False).")
+        self.finalize_code()
         args, kwargs, _ = self._inputs(args, kwargs, None)
         return self._eval.step(*args, **kwargs)
 

@@ -288,6 +288,7 @@ class PipelineDriver:
             swap_optimizer_parameters(self._optimizers(), {o: n for o, n in replaced.items() if isinstance(o, nn.Parameter)})
             experts = [replaced.get(p, p) for p in experts]
         self._expert_params = {id(p) for p in experts}
+        self._runtime.finalize_code()  # lean stage code (parallel/pipeline_codegen.py), before FSDP2 wraps the stages
         if self.dims.dp > 1 and self.strategy.zero_stage >= 1:  # -> data-parallel sharding (FSDP2 per stage)
             runtime = self._runtime
             # MoE layers run eagerly inside opaque ops, on the layer's own parameters, which FSDP2

@@ -63,13 +63,14 @@ class LiveBytes(TorchDispatchMode):
     def track(self, tensor: torch.Tensor) -> None:
         for st in get_untyped_storages(tensor):
             if st not in self.sizes and st.device.type != "meta":
-                self.sizes[st] = st.nbytes()
-                self.live += st.nbytes()
-                weakref.finalize(st, self._freed, st.nbytes())
+                size = [st.nbytes()]  # its bytes now: a resize_ before it dies changes what its death frees
+                self.sizes[st] = size
+                self.live += size[0]
+                weakref.finalize(st, self._freed, size)
         self.peak = max(self.peak, self.live)
 
-    def _freed(self, nbytes: int) -> None:
-        self.live -= nbytes
+    def _freed(self, size: list[int]) -> None:
+        self.live -= size[0]
 
     def track_module(self, module: nn.Module) -> None:
         """Count the tensors that exist before the mode is entered (the user's module as built)."""
@@ -83,9 +84,9 @@ class LiveBytes(TorchDispatchMode):
 
         def resize_(st: torch.UntypedStorage, size: int) -> None:  # FSDP2 frees/refills buffers this way
             mode._resize(st, size)
-            if st in mode.sizes:
-                mode.live += st.nbytes() - mode.sizes[st]
-                mode.sizes[st] = st.nbytes()
+            if st in mode.sizes:  # FSDP2 (and parallel/fsdp_host.py) free a storage by resizing it to 0
+                mode.live += st.nbytes() - mode.sizes[st][0]
+                mode.sizes[st][0] = st.nbytes()
                 mode.peak = max(mode.peak, mode.live)
 
         torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]

@@ -192,6 +192,22 @@ def inflight(schedule: str, pp: int, m: int, virtual: int, rank: int) -> float:
     return float(min(m, pp - rank))
 
 
+def gradients_held_at_peak(layout: Layout, m: int, rank: int) -> bool:
+    """Whether the gradients are alive at the activation peak (the start of backward).
+
+    The strategies free the gradients Lightning's ``zero_grad`` would drop before the forward
+    (strategies/early_zero_grad.py), so they are absent at the peak unless DDP keeps them (its
+    buckets are the gradients: ZeRO-0/1 with data parallelism) or a pipeline rank runs a backward
+    before it is back at its most microbatches in flight (1F1B-style schedules with more
+    microbatches than that count). Measured: tests/test_planner_peak_memory.py.
+    """
+    if layout.zero_stage <= 1 and layout.dp > 1:
+        return True
+    if layout.pp == 1 or layout.schedule == "gpipe":
+        return False
+    return m > layout.pp - rank
+
+
 def recomputed_layers(layout: Layout, layers: int) -> int:
     """Blocks of a rank whose activations are recomputed in backward: all under activation
     checkpointing, else the first ``recompute_layers`` (Megatron-LM's block recomputation)."""
@@ -271,6 +287,7 @@ def predict(facts: ModelFacts, layout: Layout, shares: list[RankShare], work: Wo
             working = 0.0
         if L.cpu_offload:
             grads = optim = stored_params = 0.0
+        grads_at_peak = grads if gradients_held_at_peak(L, m, r) else 0.0
         buffers = 0.0  # DDP's buckets are the gradients (gradient_as_bucket_view=True, parallel/data_parallel.py)
         scores = hw.attention_scores_stored or (L.tp > 1 and hw.tp_attention_scores_stored)
         layer_act = layer_activation_elements(facts, mb_tokens, work.seq_len, L.tp, scores, L.sequence_parallel, cb) * cb
@@ -282,10 +299,12 @@ def predict(facts: ModelFacts, layout: Layout, shares: list[RankShare], work: Wo
         # log-softmax kept by the loss, its gradient and the logits' gradient (measured peak).
         logits = mb_tokens * (facts.vocab * (cb + 8) + 2 * facts.hidden * cb) if share.last else 0.0
         mem = {
-            "params": stored_params, "grads": grads, "optimizer": optim, "gathered_params": working,
+            "params": stored_params, "grads": grads_at_peak, "optimizer": optim, "gathered_params": working,
             "comm_buffers": buffers, "activations": acts, "logits": logits, "reserved": float(hw.reserved_bytes),
         }
-        mem["total"] = sum(mem.values())
+        # The gradients freed before the forward come back during backward, as the activations go;
+        # the end of backward (all gradients, few activations) is the peak only for a tiny batch.
+        mem["total"] = max(sum(mem.values()), sum(mem.values()) - grads_at_peak - acts - logits + grads)
         mem["model_state"] = stored_params + grads + optim
         model_state_max = max(model_state_max, mem["model_state"])
         if mem["total"] > worst_mem["total"]:

@@ -25,7 +25,7 @@ from typing import Any
 from torch.utils.data import Subset, TensorDataset
 
 from lightning_parallel.testing import run_distributed
-from lightning_parallel.testing.parity import FitSpec, run_fit, run_fits
+from lightning_parallel.testing.parity import FitSpec, run_fits, run_fits_in_fresh_process
 from tests.test_data_parallel import HYBRID, assert_parity
 
 RM = "lightning_parallel.testing.real_models"
@@ -73,9 +73,9 @@ TWO_RANK_CASES: list[tuple[str, FitSpec]] = [
 PADDED = dataclasses.replace(_lm("qwen2", "zero3", loss="labels", padding=True), data=f"{RM}:padded_token_data")
 
 
-def _reference(spec: FitSpec) -> dict[str, Any]:
+def _reference(spec: FitSpec) -> FitSpec:
     kwargs = {k: v for k, v in spec.trainer_kwargs.items() if k != "sync_batchnorm"}  # one process: global batch already
-    return run_fit(dataclasses.replace(spec, strategy="auto", devices=1, trainer_kwargs=kwargs))
+    return dataclasses.replace(spec, strategy="auto", devices=1, trainer_kwargs=kwargs)
 
 
 def _mean_over_ranks(results: list[list[dict[str, Any]]], i: int) -> dict[str, Any]:
@@ -86,9 +86,14 @@ def _mean_over_ranks(results: list[list[dict[str, Any]]], i: int) -> dict[str, A
 def test_real_models_under_data_and_expert_parallel_presets_match_one_process() -> None:
     specs = [spec for _, spec in TWO_RANK_CASES] + [PADDED]
     results = run_distributed(run_fits, 2, specs, init_backend=None, timeout=900)
+    # Padded batches, loss from labels= (a mean over each rank's unpadded tokens): rank r's step k is
+    # batch 2k + r of one process accumulating the same per-rank batches over two.
+    padded = dataclasses.replace(PADDED, strategy="auto", devices=1, global_batch=4, data=f"{__name__}:rank_interleaved_padded_data",
+                                 trainer_kwargs={**PADDED.trainer_kwargs, "accumulate_grad_batches": 2})
+    *references, padded_reference = run_fits_in_fresh_process([_reference(spec) for _, spec in TWO_RANK_CASES] + [padded])
     total = {label: sum(p.numel() for p in results[0][i]["params"].values()) for i, (label, _) in enumerate(TWO_RANK_CASES)}
-    for i, (label, spec) in enumerate(TWO_RANK_CASES):
-        reference = _reference(spec)
+    for i, (label, _) in enumerate(TWO_RANK_CASES):
+        reference = references[i]
         assert max(reference["grad_norms"]) > CLIP, f"{label}: the clipping threshold must actually clip"
         assert_parity(_mean_over_ranks(results, i), reference, label, per_tensor=True, metrics=False)
     layouts = {label: results[0][i]["layout"] for i, (label, _) in enumerate(TWO_RANK_CASES)}
@@ -106,11 +111,7 @@ def test_real_models_under_data_and_expert_parallel_presets_match_one_process() 
         experts = sum(v.numel() for k, v in results[0][index[label]]["params"].items() if ".experts." in k)
         assert experts > 0 and layouts[label]["local_param_numel"] == total[label] - experts // 2, label
     assert layouts["qwen2_moe ep2 zero3"]["local_param_numel"] < 0.6 * total["qwen2_moe ep2 zero3"]  # the rest sharded too
-    # Padded batches, loss from labels= (a mean over each rank's unpadded tokens): rank r's step k is
-    # batch 2k + r of one process accumulating the same per-rank batches over two.
-    reference = run_fit(dataclasses.replace(
-        PADDED, strategy="auto", devices=1, global_batch=4, data=f"{__name__}:rank_interleaved_padded_data",
-        trainer_kwargs={**PADDED.trainer_kwargs, "accumulate_grad_batches": 2}))
+    reference = padded_reference
     assert max(reference["grad_norms"]) > CLIP
     per_rank = [rank[-1] for rank in results]
     for r, result in enumerate(per_rank):
@@ -130,8 +131,9 @@ def test_real_models_under_hsdp_on_four_ranks_match_one_process() -> None:
              ("qwen2_moe ep2 x edp2", dataclasses.replace(_lm("qwen2_moe", "ep"), devices=4,
                                                           strategy={"class": HYBRID, "expert_parallel_size": 2}))]
     results = run_distributed(run_fits, 4, [spec for _, spec in cases], init_backend=None, timeout=600)
+    references = run_fits_in_fresh_process([_reference(spec) for _, spec in cases])
     for i, (label, spec) in enumerate(cases):
-        assert_parity(_mean_over_ranks(results, i), _reference(spec), label, per_tensor=True, metrics=False)
+        assert_parity(_mean_over_ranks(results, i), references[i], label, per_tensor=True, metrics=False)
         total = sum(p.numel() for p in results[0][i]["params"].values())
         if "hsdp" in label:
             assert 0.4 * total < results[0][i]["layout"]["local_param_numel"] < 0.6 * total, label  # 2 x 2: shard in pairs

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from lightning_parallel.testing import run_distributed
-from lightning_parallel.testing.parity import FitSpec, run_fit, run_fits
+from lightning_parallel.testing.parity import FitSpec, run_fits, run_fits_in_fresh_process
 from tests.test_data_parallel import assert_parity
 
 RESNET = FitSpec(
@@ -83,7 +83,8 @@ def test_resnet18_sync_batchnorm_matches_one_process() -> None:
     specs = [dataclasses.replace(RESNET, strategy=strategy, devices=2,
                                  trainer_kwargs={**RESNET.trainer_kwargs, "sync_batchnorm": sync}) for _, strategy, sync in cases]
     results = run_distributed(run_fits, 2, specs, init_backend=None, timeout=500)
-    reference = run_fit(dataclasses.replace(RESNET, strategy="auto", devices=1, trainer_kwargs={"gradient_clip_val": 0.5}))
+    reference = run_fits_in_fresh_process([dataclasses.replace(RESNET, strategy="auto", devices=1,
+                                                               trainer_kwargs={"gradient_clip_val": 0.5})])[0]
     assert max(reference["grad_norms"]) > 0.5, "the clipping threshold must actually clip"
     for i, (label, _, sync) in enumerate(cases):
         # The user logs without sync_dist: each rank logs its half batch; the global loss is their mean.

@@ -155,7 +155,20 @@ class Source(Lazy):
         return torch.cat([self.read((*box[:split], (run,), *box[split + 1:])) for run in box[split]], dim=split)
 
 
-class Stacked(Lazy):
+class _Combined(Lazy):
+    """A tensor made of other lazy tensors (``parts``): their dtype, and every file key they read."""
+
+    parts: list[Lazy]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.parts[0].dtype
+
+    def sources(self) -> list[str]:
+        return [key for part in self.parts for key in part.sources()]
+
+
+class Stacked(_Combined):
     """``torch.stack(parts, dim)``: a box reads only the parts (experts) its runs on ``dim`` cover."""
 
     def __init__(self, parts: list[Lazy], dim: int) -> None:
@@ -170,13 +183,6 @@ class Stacked(Lazy):
         one = shapes.pop()
         return (*one[:self.along], len(self.parts), *one[self.along:])
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.parts[0].dtype
-
-    def sources(self) -> list[str]:
-        return [key for part in self.parts for key in part.sources()]
-
     def read(self, box: Box) -> Tensor:
         rest = (*box[:self.along], *box[self.along + 1:])
         picked = [i for start, stop in box[self.along] for i in range(start, stop)]
@@ -185,7 +191,7 @@ class Stacked(Lazy):
         return torch.stack([self.parts[i].read(rest) for i in picked], dim=self.along)
 
 
-class Concatenated(Lazy):
+class Concatenated(_Combined):
     """``torch.cat(parts, dim)``: each run on ``dim`` reads only the parts it overlaps."""
 
     def __init__(self, parts: list[Lazy], dim: int) -> None:
@@ -200,13 +206,6 @@ class Concatenated(Lazy):
             raise ValueError(f"torch.cat along dim {self.along} of tensors of shapes {shapes}")
         first = shapes[0]
         return (*first[:self.along], sum(s[self.along] for s in shapes), *first[self.along + 1:])
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.parts[0].dtype
-
-    def sources(self) -> list[str]:
-        return [key for part in self.parts for key in part.sources()]
 
     def read(self, box: Box) -> Tensor:
         pieces = []

@@ -302,9 +302,11 @@ def predict(facts: ModelFacts, layout: Layout, shares: list[RankShare], work: Wo
             "params": stored_params, "grads": grads_at_peak, "optimizer": optim, "gathered_params": working,
             "comm_buffers": buffers, "activations": acts, "logits": logits, "reserved": float(hw.reserved_bytes),
         }
+        start_of_backward = sum(mem.values())
         # The gradients freed before the forward come back during backward, as the activations go;
-        # the end of backward (all gradients, few activations) is the peak only for a tiny batch.
-        mem["total"] = max(sum(mem.values()), sum(mem.values()) - grads_at_peak - acts - logits + grads)
+        # the end of backward (all gradients, no activations) is the peak only for a tiny batch.
+        end_of_backward = start_of_backward - grads_at_peak - acts - logits + grads
+        mem["total"] = max(start_of_backward, end_of_backward)
         mem["model_state"] = stored_params + grads + optim
         model_state_max = max(model_state_max, mem["model_state"])
         if mem["total"] > worst_mem["total"]:

@@ -36,11 +36,11 @@ import statistics
 import tempfile
 from typing import Any
 
-import lightning_parallel  # noqa: F401  (first: registers the strategy names, and keeps `import lightning` working beside a torchvision whose C extension does not load)
 import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+import lightning_parallel  # noqa: F401  (registers the strategy names)
 from lightning_parallel import HybridParallelStrategy
 from lightning_parallel.callbacks import ParallelismMonitor
 from lightning_parallel.launcher import run_distributed
@@ -113,7 +113,7 @@ def run(spec: Spec, devices: int, dp: int, global_batch: int, args: argparse.Nam
 
 def _replicated_over_tp(args: argparse.Namespace, tp: int) -> float:
     """Fraction of the model's parameters the tensor-parallel plan leaves whole on every tp rank."""
-    from lightning_parallel.parallel.tp_plan import resolve_tp_plan
+    from lightning_parallel.parallel.tensor.plan import resolve_tp_plan
 
     return 1.0 - resolve_tp_plan(_model(args), tp, user_plan=None, strict=False).fraction_sharded
 

@@ -25,8 +25,8 @@ import torch
 def _rank_main(mib: int, rounds: int, directory: str) -> list[dict[str, float]]:
     import torch.distributed as dist
 
-    from lightning_parallel.strategies.async_checkpoint import AsyncCheckpointWriter
-    from lightning_parallel.strategies.checkpoint import save_sharded
+    from lightning_parallel.strategies.checkpoint.async_save import AsyncCheckpointWriter
+    from lightning_parallel.strategies.checkpoint.files import save_sharded
 
     rank = dist.get_rank()
     numel = mib * 2**20 // 4 // 2 // 8  # half the state per rank, in 8 tensors

@@ -21,13 +21,13 @@ import argparse
 import statistics
 from typing import Any
 
-import lightning_parallel  # noqa: F401  (first: registers the strategy names, and keeps `import lightning` working beside a torchvision whose C extension does not load)
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+import lightning_parallel  # noqa: F401  (registers the strategy names)
 from lightning_parallel.callbacks import ParallelismMonitor, model_state_bytes
 from lightning_parallel.launcher import run_distributed
 

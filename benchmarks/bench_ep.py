@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_parallel.nn import MoE, collect_moe_losses
 from lightning_parallel.parallel.dims import DP, EDP, EP, ParallelDims
-from lightning_parallel.parallel.expert_parallel import all_to_all_traffic, apply_expert_parallel
+from lightning_parallel.parallel.experts.apply import all_to_all_traffic, apply_expert_parallel
 from lightning_parallel.testing import run_distributed
 
 

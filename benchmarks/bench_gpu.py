@@ -6,7 +6,7 @@ ranks train the package's GPT through ``Trainer`` for ``--steps`` steps in ``--p
 not pp, which refuses it: see ``parallel/compile.py``). Per strategy it prints the median
 step time after ``--warmup`` steps, tokens/s over all ranks, the busiest rank's
 ``torch.cuda.max_memory_allocated`` during training, MFU (model FLOPs ``6 N + 12 L h s`` per token
-over the device's dense bf16 peak from ``parallel/hardware.py``), and each ratio to the baseline.
+over the device's dense bf16 peak from ``planner/hardware.py``), and each ratio to the baseline.
 
 One GPU runs every strategy that trains on one device (pipelines and tensor parallelism need two
 ranks and are skipped there); two or more run each layout on all of them. Timing is for one run,
@@ -154,7 +154,7 @@ def main() -> None:
     devices = args.devices or (torch.cuda.device_count() if args.device == "cuda" else 2)
     peak = None
     if args.device == "cuda":
-        from lightning_parallel.parallel.hardware import profile_for_device
+        from lightning_parallel.planner.hardware import profile_for_device
 
         peak = profile_for_device(torch.device("cuda", 0)).peak_flops.get("bf16")
     results: dict[str, dict[str, Any]] = {}

@@ -26,9 +26,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_parallel.parallel.pipeline import build_pipeline, trace_pipeline
-from lightning_parallel.parallel.pipeline_plan import plan_pipeline
-from lightning_parallel.parallel.pipeline_schedules import schedule_spec
+from lightning_parallel.parallel.pipeline.runtime import build_pipeline
+from lightning_parallel.parallel.pipeline.trace import trace_pipeline
+from lightning_parallel.parallel.pipeline.plan import plan_pipeline
+from lightning_parallel.parallel.pipeline.schedules import schedule_spec
 from lightning_parallel.testing import run_distributed
 
 WIDTH, ROWS_PER_MICROBATCH, BLOCKS_PER_STAGE, STEPS, WARMUP = 512, 128, 2, 5, 2

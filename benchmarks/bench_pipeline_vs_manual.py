@@ -68,7 +68,6 @@ import statistics
 import time
 from typing import Any
 
-import lightning_parallel  # noqa: F401  (first: registers the strategy names, and keeps `import lightning` working beside a torchvision whose C extension does not load)
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
@@ -77,14 +76,16 @@ from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.utils.data import DataLoader, TensorDataset
 
+import lightning_parallel  # noqa: F401  (registers the strategy names)
 from lightning_parallel import HybridParallelStrategy
 from lightning_parallel.callbacks.measure import model_state_bytes
 from lightning_parallel.launcher import run_distributed
 from lightning_parallel.models import GPT
 from lightning_parallel.models.gpt import Block
-from lightning_parallel.parallel.pipeline import build_pipeline, trace_pipeline
-from lightning_parallel.parallel.pipeline_plan import plan_pipeline
-from lightning_parallel.parallel.pipeline_schedules import schedule_spec
+from lightning_parallel.parallel.pipeline.runtime import build_pipeline
+from lightning_parallel.parallel.pipeline.trace import trace_pipeline
+from lightning_parallel.parallel.pipeline.plan import plan_pipeline
+from lightning_parallel.parallel.pipeline.schedules import schedule_spec
 
 MANUAL_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 LR, MOMENTUM = 0.1, 0.9

@@ -1,6 +1,6 @@
 """Does the planner order this machine's layouts as they run? Predicted vs measured step times.
 
-After :func:`~lightning_parallel.parallel.hardware.calibrate_cpu` measures this machine, the planner
+After :func:`~lightning_parallel.planner.hardware.calibrate_cpu` measures this machine, the planner
 predicts the step time of the six layouts of tests/test_planner_peak_memory.py (the package's GPT,
 fp32, 16 sequences of 64 tokens per step on 2 processes: dp, zero1, zero2, zero3, tp2, pp2). Two
 spawned ranks then train each layout through ``Trainer`` + the strategy for ``--steps`` steps,
@@ -108,8 +108,8 @@ def spearman(a: list[float], b: list[float]) -> float:
 
 def predicted_step(want: dict[str, int], hardware: Any) -> float:
     from lightning_parallel.models import GPT
-    from lightning_parallel.parallel.planner import SearchSpace, plan_layouts
-    from lightning_parallel.parallel.planner_model import model_facts
+    from lightning_parallel.planner.search import SearchSpace, plan_layouts
+    from lightning_parallel.planner.model import model_facts
 
     with torch.device("meta"):
         model = GPT(**GPT_KW)
@@ -136,7 +136,7 @@ def main() -> None:
         sys.exit(f"load average {load:.1f} >= {args.max_load}: timings would measure the other jobs; rerun later or --force")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-    from lightning_parallel.parallel.hardware import calibrate_cpu
+    from lightning_parallel.planner.hardware import calibrate_cpu
     from lightning_parallel.testing import run_distributed
 
     names = list(LAYOUTS)

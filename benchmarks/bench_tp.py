@@ -143,7 +143,8 @@ def _fit(which: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _worker(args: argparse.Namespace) -> dict[str, Any]:
-    from lightning_parallel.parallel.tp_plan import resolve_tp_plan, tp_param_bytes
+    from lightning_parallel.parallel.tensor.plan import resolve_tp_plan
+    from lightning_parallel.parallel.tensor.shards import tp_param_bytes
 
     with torch.device("meta"):
         meta = GPT(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=args.heads, n_embd=args.width)

@@ -2,7 +2,7 @@
 
 The seeds advise: small models, data parallelism; large ones, FSDP or model parallelism; very
 large ones, hybrids. Nothing here states that rule: each cell is the planner's fastest fitting
-layout (parallel/planner.py) for a GPT of that size on that many A100-80GB devices (8 per node),
+layout (planner/search.py) for a GPT of that size on that many A100-80GB devices (8 per node),
 a global batch of 4 sequences of 2,048 tokens per device, bf16, AdamW. Prints a markdown table
 (README's planner section) and, with ``--plot FILE``, draws it with matplotlib.
 
@@ -17,7 +17,7 @@ import time
 import torch
 
 from lightning_parallel.models import GPT
-from lightning_parallel.parallel.planner import SearchSpace, plan_layouts
+from lightning_parallel.planner.search import SearchSpace, plan_layouts
 
 # (label, layers, hidden, heads): GPT-2 small/XL, then GPT-3-like widths.
 SIZES = [("125M", 12, 768, 12), ("1.3B", 24, 2048, 16), ("6.7B", 32, 4096, 32), ("13B", 40, 5120, 40),

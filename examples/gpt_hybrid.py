@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import argparse
 
-import lightning_parallel  # noqa: F401  (first: registers the strategy names, and keeps `import lightning` working beside a torchvision whose C extension does not load)
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+import lightning_parallel  # noqa: F401  (registers the strategy names)
 from lightning_parallel import HybridParallelStrategy
 from lightning_parallel.callbacks import ParallelismMonitor
 

@@ -33,12 +33,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-import lightning_parallel  # noqa: F401, I001  (first: registers "zero3", "pp", ...; keeps `import lightning` working
-# beside a torchvision whose C extension cannot load, see lightning_parallel/_torchvision_compat.py)
 import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+import lightning_parallel  # noqa: F401  (registers "zero3", "pp", ...)
 from lightning_parallel.models.gpt import GPT
 
 GIB = 2**30

@@ -5,13 +5,9 @@ Importing the package registers the strategy names (``dp``, ``zero1``, ``zero2``
 ``Trainer(strategy="zero3")`` works with an unchanged LightningModule.
 """
 
-from lightning_parallel._torchvision_compat import install_import_hook
-
-install_import_hook()  # before anything imports lightning (see the module)
-
-from lightning_parallel.parallel.dims import ParallelDims  # noqa: E402
+from lightning_parallel.parallel.dims import ParallelDims
+from lightning_parallel.pretrained import PretrainedWeights, load_pretrained
 from lightning_parallel.strategies import PRESETS, HybridParallelStrategy, register_strategies, strategy_from_name
-from lightning_parallel.pretrained import PretrainedWeights, load_pretrained  # noqa: E402
 
 __version__ = "0.1.0"
 

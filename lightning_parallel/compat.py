@@ -19,7 +19,7 @@ Not routed through here, by judgement: ``nn.Module``'s ``_parameters``/``_buffer
 (:class:`GraphPipelineStage` below names them); and other libraries' private attributes read by
 duck typing (``transformers``: ``_tp_plan``, ``_pp_plan``, ``_gradient_checkpointing_func``,
 ``_is_hf_initialized``, ``_initialize_weights``; ``torchmetrics``: ``Metric._defaults``,
-``_forward_cache``, ``_update_count``, ``_computed``; ``torchvision``: ``extension._has_ops``).
+``_forward_cache``, ``_update_count``, ``_computed``).
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime as P
 # --- FSDP2 internals ------------------------------------------------------------------------
 # Why: the base class of a custom reduce-scatter (``FSDPModule.set_custom_reduce_scatter``, a
 # public method whose argument type is not exported): on the CPU ours frees the input after the
-# blocking collective (parallel/fsdp_host.py). Since: 2.9. Public: none yet.
+# blocking collective (parallel/data/fsdp_host.py). Since: 2.9. Public: none yet.
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as FsdpReduceScatter
 
 # --- nn internals ---------------------------------------------------------------------------
@@ -234,7 +234,7 @@ def set_fsdp_unshard_async(module: Any, async_op: bool) -> None:
 
     Why: on the CPU, FSDP2's blocking all-gathers keep the flat output of the last forward
     all-gather alive for a stream overlap the CPU does not have; asynchronous ones free it at the
-    copy-out and let the backward prefetch run on gloo's thread (parallel/fsdp_host.py).
+    copy-out and let the backward prefetch run on gloo's thread (parallel/data/fsdp_host.py).
     Since: 2.6. Public: none yet (FSDPModule.unshard(async_op=True) for explicit prefetching).
     """
     module._set_unshard_async_op(async_op)
@@ -245,7 +245,7 @@ def module_has_hooks(module: nn.Module) -> bool:
     ``_backward_hooks``, ``_backward_pre_hooks``).
 
     Why: a traced pipeline stage inlines a child's code into its own only when the call does
-    nothing else (parallel/pipeline_codegen.py); tensor parallelism and FSDP2 act through hooks.
+    nothing else (parallel/pipeline/codegen.py); tensor parallelism and FSDP2 act through hooks.
     Since: 2.4 (far older). Public: none (the register_* methods return handles, not a query).
     """
     return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks)

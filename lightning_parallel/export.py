@@ -32,7 +32,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from lightning_parallel.errors import config_error
-from lightning_parallel.strategies.checkpoint import META_FILENAME, is_sharded_checkpoint
+from lightning_parallel.strategies.checkpoint.files import META_FILENAME, is_sharded_checkpoint
 
 _PREFIX = "state_dict."
 

@@ -19,7 +19,7 @@ else the product of the explicit degrees (a dry run may plan for more devices th
 machine has).
 
 Search mode (``--search``): rank every layout of the model with the layout planner
-(:mod:`lightning_parallel.parallel.planner`) for a cluster given by flags, without starting
+(:mod:`lightning_parallel.planner.search`) for a cluster given by flags, without starting
 any process, e.g.::
 
     python -m lightning_parallel.plan --search --world-size 64 --devices-per-node 8 \
@@ -94,7 +94,7 @@ def _human(nbytes: float) -> str:
 
 def _folded(reasons: dict[str, str]) -> list[str]:
     """``module: reason`` lines, repeated layers folded as in the plan table (``blocks.*.ln_1 x4``)."""
-    from lightning_parallel.parallel.tp_plan import fold_layer_index
+    from lightning_parallel.parallel.tensor.plan import fold_layer_index
 
     counts: dict[tuple[str, str], int] = {}
     for name, reason in reasons.items():
@@ -112,9 +112,10 @@ def describe(cfg: DictConfig) -> str:
     """The whole printout for a composed config: degrees, TP plan and bytes, pipeline plan."""
     from hydra.utils import instantiate
 
-    from lightning_parallel.parallel.pipeline_plan import plan_pipeline
-    from lightning_parallel.parallel.pipeline_schedules import resolve_virtual_stages, schedule_spec
-    from lightning_parallel.parallel.tp_plan import fold_layer_index, resolve_tp_plan, tp_param_bytes
+    from lightning_parallel.parallel.pipeline.plan import plan_pipeline
+    from lightning_parallel.parallel.pipeline.schedules import resolve_virtual_stages, schedule_spec
+    from lightning_parallel.parallel.tensor.plan import fold_layer_index, resolve_tp_plan
+    from lightning_parallel.parallel.tensor.shards import tp_param_bytes
 
     strategy: dict[str, Any] = OmegaConf.to_container(cfg.strategy, resolve=True)  # type: ignore[assignment]
     world, origin = world_size_for(cfg)
@@ -234,8 +235,8 @@ def search(cfg: DictConfig, flags: dict[str, Any]) -> str:
 
     from hydra.utils import instantiate
 
-    from lightning_parallel.parallel.hardware import GiB, get_profile
-    from lightning_parallel.parallel.planner import SearchSpace, plan_layouts
+    from lightning_parallel.planner.hardware import GiB, get_profile
+    from lightning_parallel.planner.search import SearchSpace, plan_layouts
 
     profile = get_profile(flags.get("--hardware", "cpu"))
     per_node = flags.get("--devices-per-node")

@@ -1,4 +1,4 @@
-"""Checkpoints saved in the background (``async_save=True``, ``strategies/async_checkpoint.py``).
+"""Checkpoints saved in the background (``async_save=True``, ``strategies/checkpoint/async_save.py``).
 
 * Under zero3 and tp (2 processes), a ``ModelCheckpoint`` every 2 steps with ``save_last``
   writes through ``dcp.async_save`` (counted: the synchronous ``dcp.save`` is never called),
@@ -40,8 +40,8 @@ LAYOUTS = {"zero3": {"zero_stage": 3}, "tp": {"tensor_parallel_size": 2}}
 def _count_saves() -> dict[str, int]:
     import torch.distributed.checkpoint as dcp
 
-    import lightning_parallel.strategies.async_checkpoint as background
-    import lightning_parallel.strategies.checkpoint as ckpt
+    import lightning_parallel.strategies.checkpoint.async_save as background
+    import lightning_parallel.strategies.checkpoint.files as ckpt
 
     counts = {"async": 0, "sync": 0}
     async_save, save = dcp.async_save, dcp.save

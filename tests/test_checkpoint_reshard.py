@@ -20,7 +20,7 @@ from lightning.pytorch import Callback
 
 from lightning_parallel.compat import tree_leaves
 from lightning_parallel.export import export_state_dict, load_model_state
-from lightning_parallel.strategies.resume import rng_state_for_rank
+from lightning_parallel.strategies.checkpoint.resume import rng_state_for_rank
 from lightning_parallel.testing import run_distributed
 from lightning_parallel.testing.parity import FitSpec, run_fits
 from tests.test_data_parallel import HYBRID
@@ -110,7 +110,7 @@ def test_resume_across_data_parallel_layouts(tmp_path: Path) -> None:
     # ZeRO-1's sharded save: each rank wrote the momentum of its own partition, none gathered the rest
     import torch.distributed.checkpoint as dcp
 
-    from lightning_parallel.strategies.checkpoint import META_FILENAME, ZERO1_KEY
+    from lightning_parallel.strategies.checkpoint.files import META_FILENAME, ZERO1_KEY
 
     zero1 = tmp_path / f"c{[label for label, *_ in CASES_2].index('zero1->zero1')}.ckpt"
     assert ZERO1_KEY not in torch.load(zero1 / META_FILENAME, weights_only=False)
@@ -167,7 +167,7 @@ def _killed_save(path: str) -> None:
     """Rank 1 dies in the middle of a sharded save; rank 0 must fail, not hang, and leave the old one."""
     import os
 
-    import lightning_parallel.strategies.checkpoint as ckpt
+    import lightning_parallel.strategies.checkpoint.files as ckpt
 
     original = ckpt.dcp.save
 
@@ -194,7 +194,7 @@ def test_interrupted_save_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
     after = load_model_state(path)  # still the complete previous checkpoint
     for name, value in before.items():
         torch.testing.assert_close(after[name], value, rtol=0, atol=0)
-    from lightning_parallel.strategies.checkpoint import _scratch_names
+    from lightning_parallel.strategies.checkpoint.files import _scratch_names
 
     partial, _ = _scratch_names(path)
     assert partial.is_dir() and not (partial / "meta.pt").exists()  # the interrupted save left no checkpoint there
@@ -264,7 +264,7 @@ def test_exact_resume_from_mid_epoch_model_checkpoints(tmp_path: Path) -> None:
 
 
 # Per-step LayerDrop decisions: random, but the same on every rank, so they can continue exactly
-# after a change of world size (per-sample dropout masks cannot: see strategies/resume.py).
+# after a change of world size (per-sample dropout masks cannot: see strategies/checkpoint/resume.py).
 LAYER_DROP = dataclasses.replace(TINY, model_kwargs={**TINY.model_kwargs, "layer_drop": 0.5}, checkpoint_every=2)
 
 

@@ -250,19 +250,19 @@ def _two_rank_cases(tmp: Path) -> list[tuple[str, FitSpec]]:
 
 TWO_RANK_SITES = {
     "parallel/clip.py:total_norm",  # sharded (zero2/3, tp, ep) and pipeline global norms
-    "parallel/pipeline.py:train_step",  # step-loss broadcast
-    "parallel/pipeline.py:_sum_shared_grads",  # tied embedding / head gradients across stages
-    "parallel/expert_parallel.py:__call__", "parallel/expert_parallel.py:forward", "parallel/expert_parallel.py:backward",
+    "parallel/pipeline/runtime.py:train_step",  # step-loss broadcast
+    "parallel/pipeline/runtime.py:_sum_shared_grads",  # tied embedding / head gradients across stages
+    "parallel/experts/apply.py:__call__", "parallel/experts/apply.py:forward", "parallel/experts/apply.py:backward",
     "nn/moe.py:_statistics",
     "strategies/nonfinite.py:step_is_finite",
-    "strategies/hybrid.py:reduce", "strategies/hybrid.py:all_gather", "strategies/hybrid.py:reduce_boolean_decision",
-    "strategies/hybrid.py:barrier", "strategies/hybrid.py:broadcast",
-    "strategies/checkpoint.py:begin_sharded_save", "strategies/checkpoint.py:save_sharded",
-    "strategies/resume.py:gather_rng_states",
-    "strategies/pipeline_driver.py:_build", "strategies/log_exchange.py:__call__",
-    "strategies/pipeline_driver.py:gather_state",
-    "strategies/pipeline_checkpoint.py:_to_rank0", "strategies/pipeline_checkpoint.py:receive",
-    "parallel/fsdp_host.py:__call__",
+    "strategies/collectives.py:reduce", "strategies/collectives.py:all_gather", "strategies/collectives.py:reduce_boolean_decision",
+    "strategies/collectives.py:barrier", "strategies/collectives.py:broadcast",
+    "strategies/checkpoint/files.py:begin_sharded_save", "strategies/checkpoint/files.py:save_sharded",
+    "strategies/checkpoint/resume.py:gather_rng_states",
+    "strategies/pipeline/driver.py:_build", "strategies/pipeline/log_exchange.py:__call__",
+    "strategies/pipeline/state.py:gather_state",
+    "strategies/checkpoint/pipeline.py:_to_rank0", "strategies/checkpoint/pipeline.py:receive",
+    "parallel/data/fsdp_host.py:__call__",
 }
 """Call sites in lightning_parallel the 2-rank fits must reach (``docs/collectives.md`` lists all)."""
 
@@ -289,7 +289,7 @@ def test_four_rank_hsdp_and_3d_hand_collectives_tensors_on_their_device() -> Non
     fits = _run(cases, 4, timeout=500)["fits"]
     assert any(len(c["ranks"]) == 2 for c in fits["hsdp"][0]["calls"]), "hsdp's sub-groups are recorded"
     reached = _sites([fit for per_rank in fits.values() for fit in per_rank])
-    expected = {"strategies/pipeline_driver.py:_average_over_data_parallel", "strategies/pipeline_driver.py:_broadcast",
+    expected = {"strategies/pipeline/driver.py:_average_over_data_parallel", "strategies/pipeline/driver.py:_broadcast",
                 "strategies/experts.py:reduce_expert_grads",
-                "parallel/pipeline_tp.py:_reduced"}
+                "parallel/pipeline/tensor.py:_reduced"}
     assert expected <= reached, f"call sites not reached: {sorted(expected - reached)}"

@@ -130,7 +130,6 @@ NN_MODULE_CONTRACT = {"_parameters", "_buffers", "_modules", "_apply"}
 OTHER_LIBRARIES = {
     "_gradient_checkpointing_func", "_is_hf_initialized", "_initialize_weights", "_pp_plan", "_tp_plan",  # transformers
     "_defaults", "_forward_cache", "_update_count", "_computed",  # torchmetrics.Metric
-    "_has_ops",  # torchvision.extension
     "_exit", "_getframe",  # os, sys
 }
 

@@ -18,14 +18,14 @@ from lightning_parallel.testing.coverage_cells import first_line, is_refusal, re
 def test_cell_texts_and_table_layout() -> None:
     cells = [Cell("llama", "dp", "ok", 1.234e-7), Cell("llama", "ep", "n/a"),
              Cell("gpt2", "dp", "refused", message="ValueError: `x`=1 is | bad. HINT: y"),
-             Cell("gpt2", "ep", "mismatch", 3e-3), Cell("resnet18", "dp", "error", message="IndexError: out of range")]
-    table = format_table(cells, ["llama", "gpt2", "resnet18"], ["dp", "ep"])
+             Cell("gpt2", "ep", "mismatch", 3e-3), Cell("resnet", "dp", "error", message="IndexError: out of range")]
+    table = format_table(cells, ["llama", "gpt2", "resnet"], ["dp", "ep"])
     assert table.splitlines() == [
         "| model | dp (2) | ep (2) |",
         "|---|---|---|",
         "| llama | 1.2e-07 | n/a |",
         "| gpt2 | refused: ValueError: `x`=1 is \\| bad. HINT: y | FAIL: 3.0e-03 > 1e-05 |",
-        "| resnet18 | FAIL: IndexError: out of range |  |",
+        "| resnet | FAIL: IndexError: out of range |  |",
     ]
     assert [c.failed for c in cells] == [False, False, False, True, True]
     assert len(Cell("a", "dp", "error", message="x" * 500).text()) < 200
@@ -108,9 +108,9 @@ def test_main_exit_status_and_output_file(tmp_path: Path, monkeypatch: Any) -> N
 
 
 def test_tiny_real_run_one_matching_cell_and_one_refused_cell() -> None:
-    # vit under dp matches one process; resnet18 (BatchNorm, sync_batchnorm=True) under pp is
+    # vit under dp matches one process; resnet (BatchNorm, sync_batchnorm=True) under pp is
     # refused before any collective: BatchNorm in pipeline stages normalises each microbatch.
-    cells = coverage.run_matrix([("vit", "dp"), ("resnet18", "pp")], timeout_per_cell=200)
+    cells = coverage.run_matrix([("vit", "dp"), ("resnet", "pp")], timeout_per_cell=200)
     by_strategy = {c.strategy: c for c in cells}
     assert by_strategy["dp"].kind == "ok" and by_strategy["dp"].value is not None and by_strategy["dp"].value <= 1e-5
     assert by_strategy["pp"].kind == "refused" and "sync_batchnorm" in by_strategy["pp"].message

@@ -4,7 +4,7 @@ One torchrun job (2 processes) fits every strategy in turn; attempt ``k`` kills 
 strategy ``k`` with ``os._exit`` after step 5, past its last checkpoint (step 4). torchrun
 restarts the whole group, the job skips the strategies already finished, and strategy ``k``
 resumes from its ``last.ckpt`` (Lightning's ``ckpt_path="last"``; the scratch directory of an
-interrupted save is never a candidate, see ``strategies/checkpoint.py``). The steps redone
+interrupted save is never a candidate, see ``strategies/checkpoint/files.py``). The steps redone
 after the restart must give the losses, and the run the final parameters, of one process
 that never crashed (fp32, relative 1e-5). See ``lightning_parallel/testing/elastic_job.py``.
 """

@@ -29,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_parallel.nn import MoE, collect_moe_losses, collect_moe_stats, expert_capacity
 from lightning_parallel.parallel.dims import DP, EDP, EP, ParallelDims
-from lightning_parallel.parallel.expert_parallel import all_to_all_traffic, apply_expert_parallel, expert_parameter_names
+from lightning_parallel.parallel.experts.apply import all_to_all_traffic, apply_expert_parallel, expert_parameter_names
 from lightning_parallel.testing import run_distributed
 
 DIM, EXPERTS, BATCH, SEQ, STEPS, LR = 8, 8, 2, 6, 5, 0.5

@@ -1,7 +1,7 @@
 """``3d`` (tensor x pipeline parallelism, 4 processes) on real Hugging Face models, unchanged.
 
-Tensor parallelism inside traced pipeline stages (``parallel/pipeline_tp.py``) applies the same
-plans as ``tp`` (``parallel/tp_plan.py``: Conv1D, fused ``c_attn`` / ``qkv_proj`` /
+Tensor parallelism inside traced pipeline stages (``parallel/pipeline/tensor.py``) applies the same
+plans as ``tp`` (``parallel/tensor/plan.py``: Conv1D, fused ``c_attn`` / ``qkv_proj`` /
 ``gate_up_proj``, tied embeddings) to the stages' graphs. Each cell trains 5 steps with clipping
 and matches one process (fp32, relative 1e-5); each rank must also really hold only its part
 (about a quarter of the parameters under tp2 x pp2), so a plan that splits nothing fails.

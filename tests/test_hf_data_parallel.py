@@ -1,4 +1,4 @@
-"""Real Hugging Face and torchvision models under the data-parallel and expert-parallel presets.
+"""Real Hugging Face models under the data-parallel and expert-parallel presets.
 
 A covering subset of the coverage matrix (``python -m lightning_parallel.coverage`` runs all of
 it): every real model of ``lightning_parallel.testing.real_models`` at least once, every
@@ -67,7 +67,7 @@ TWO_RANK_CASES: list[tuple[str, FitSpec]] = [
     ("qwen2_moe ep2", _lm("qwen2_moe", "ep")),
     ("qwen2_moe ep2 zero3", dataclasses.replace(_lm("qwen2_moe", "ep"), strategy={"class": HYBRID, "expert_parallel_size": 2,
                                                                                   "zero_stage": 3})),
-    ("resnet18 zero2 sync_batchnorm", _vision("resnet18", "zero2", sync_batchnorm=True)),
+    ("resnet zero2 sync_batchnorm", _vision("resnet", "zero2", sync_batchnorm=True)),
     ("vit zero1", _vision("vit", "zero1")),
 ]
 PADDED = dataclasses.replace(_lm("qwen2", "zero3", loss="labels", padding=True), data=f"{RM}:padded_token_data")
@@ -98,7 +98,7 @@ def test_real_models_under_data_and_expert_parallel_presets_match_one_process() 
     layouts = {label: results[0][i]["layout"] for i, (label, _) in enumerate(TWO_RANK_CASES)}
     assert layouts["llama dp"]["model"] == "DistributedDataParallel"
     assert layouts["qwen2 zero1"]["optimizer"] == "ZeroRedundancyOptimizer"
-    for label in ("gpt2 zero3 (tied lm_head)", "gpt_neox zero2", "resnet18 zero2 sync_batchnorm"):
+    for label in ("gpt2 zero3 (tied lm_head)", "gpt_neox zero2", "resnet zero2 sync_batchnorm"):
         assert layouts[label]["local_param_numel"] < 0.6 * total[label], label  # really sharded
     index = {label: i for i, (label, _) in enumerate(TWO_RANK_CASES)}
     # sublayer units: each decoder layer's self_attn and mlp are FSDP2 units inside the layer's unit
@@ -123,7 +123,7 @@ def test_real_models_under_data_and_expert_parallel_presets_match_one_process() 
 
 
 def test_real_models_under_hsdp_on_four_ranks_match_one_process() -> None:
-    cases = [("resnet18 hsdp sync_batchnorm", dataclasses.replace(_vision("resnet18", "hsdp", sync_batchnorm=True), devices=4)),
+    cases = [("resnet hsdp sync_batchnorm", dataclasses.replace(_vision("resnet", "hsdp", sync_batchnorm=True), devices=4)),
              ("mixtral hsdp", dataclasses.replace(_lm("mixtral", "hsdp"), devices=4)),
              # experts over ep2, their gradients averaged over the two ranks holding the same experts (edp2)
              ("qwen2_moe ep2 x edp2", dataclasses.replace(_lm("qwen2_moe", "ep"), devices=4,

@@ -1,7 +1,7 @@
-"""Pipeline parallelism on real Hugging Face and torchvision models, wrapped as their users write them.
+"""Pipeline parallelism on real Hugging Face models, wrapped as their users write them.
 
 ``Trainer(strategy="pp", devices=2)`` on ``transformers`` causal LMs (tiny random configs) and
-torchvision classifiers, each in a plain LightningModule from ``lightning_parallel.testing.real_models``:
+transformers image classifiers (ResNet, ViT), each in a plain LightningModule from ``lightning_parallel.testing.real_models``:
 per-step losses and final parameters equal one process (fp32, relative 1e-5, 5 steps, clipping on).
 The Hugging Face ways of writing it are covered across the cells: the loss from ``labels=``
 inside ``self.model(...)`` (the step never calls ``self.forward``), the default ``use_cache=True``,
@@ -29,10 +29,10 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from lightning_parallel.parallel.pipeline import CheckpointedForward, trace_pipeline
-from lightning_parallel.parallel.pipeline_plan import plan_pipeline
-from lightning_parallel.strategies.pipeline_entry import Entry, split_kwargs, tracing_forward
-from lightning_parallel.strategies.pipeline_logging import probe_entry_inputs
+from lightning_parallel.parallel.pipeline.trace import CheckpointedForward, trace_pipeline
+from lightning_parallel.parallel.pipeline.plan import plan_pipeline
+from lightning_parallel.strategies.pipeline.entry import Entry, split_kwargs, tracing_forward
+from lightning_parallel.strategies.pipeline.logs import probe_entry_inputs
 from lightning_parallel.testing import run_distributed
 from lightning_parallel.testing.parity import FitSpec, run_fits
 from lightning_parallel.testing.real_models import HFCausalLM
@@ -91,8 +91,8 @@ PP2_CELLS: dict[str, tuple[FitSpec, bool]] = {
     "phi3 padding labels=": (_lm("phi3", loss="labels", padding=True, data=f"{RM}:padded_token_data"), True),
     # lr 0.01: at the default 0.1 the accumulating comparison reaches 2.4e-5 at step 5 (BatchNorm over
     # 4 samples of 1x1 maps in layer4 amplifies round-off; the same step at one microbatch stays ~1e-7).
-    "resnet18 (BatchNorm per microbatch)": (_vision("resnet18", lr=0.01), True),
-    "resnet18 gpipe microbatches=1 (BatchNorm on the whole batch)": (_vision("resnet18", WHOLE_BATCH), False),
+    "resnet (BatchNorm per microbatch)": (_vision("resnet", lr=0.01), True),
+    "resnet gpipe microbatches=1 (BatchNorm on the whole batch)": (_vision("resnet", WHOLE_BATCH), False),
 }
 
 
@@ -250,7 +250,7 @@ class _HeadOutsideForward(nn.Module):
 
 
 def test_a_child_called_beside_the_entry_is_found() -> None:
-    from lightning_parallel.strategies.pipeline_logging import model_calls, other_calls_error
+    from lightning_parallel.strategies.pipeline.logs import model_calls, other_calls_error
 
     module = _HeadOutsideForward()
     assert model_calls(module, "training_step", (torch.ones(2, 4), 0), {}) == (1, ["head"])

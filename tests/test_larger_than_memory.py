@@ -59,7 +59,7 @@ def test_embeddings_and_head_get_fsdp_units_of_their_own() -> None:
 
     from lightning_parallel.models.gpt import GPT
     from lightning_parallel.parallel.blocks import find_repeated_blocks
-    from lightning_parallel.parallel.data_parallel import outer_units
+    from lightning_parallel.parallel.data.apply import outer_units
     from lightning_parallel.testing.real_models import HFCausalLM
 
     def units(model: torch.nn.Module) -> list[tuple[list[str], bool]]:
@@ -84,7 +84,7 @@ def test_sublayer_units_are_a_blocks_attention_and_mlp() -> None:
 
     from lightning_parallel.models.gpt import GPT
     from lightning_parallel.parallel.blocks import find_repeated_blocks
-    from lightning_parallel.parallel.data_parallel import sublayer_units
+    from lightning_parallel.parallel.data.apply import sublayer_units
     from lightning_parallel.testing.real_models import HFCausalLM
 
     def parts(model: torch.nn.Module, wrap: bool = False) -> list[list[str]]:

@@ -66,7 +66,7 @@ def test_models_are_freed_teardown_completes_and_all_gather_uses_data_group() ->
 
 
 def test_fsspec_urls_are_not_mangled_into_local_paths() -> None:
-    from lightning_parallel.strategies.checkpoint import local_path
+    from lightning_parallel.strategies.checkpoint.files import local_path
 
     assert str(local_path("/tmp/run/last.ckpt", "x")) == "/tmp/run/last.ckpt"
     assert str(local_path("file:///tmp/run/x.ckpt", "x")) == "/tmp/run/x.ckpt"

@@ -1,5 +1,5 @@
 """The pipeline's step logs and loss reach every rank as one tensor once their layout is known
-(``strategies/log_exchange.py``); a changed layout, or a dtype float64 does not hold, takes the
+(``strategies/pipeline/log_exchange.py``); a changed layout, or a dtype float64 does not hold, takes the
 pickled broadcast, and every rank gets the last stage's values either way."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from lightning_parallel.testing import run_distributed
 def _steps() -> list[tuple[list[Any], Any]]:
     import torch
 
-    from lightning_parallel.strategies.pipeline_logging import LogRecord
+    from lightning_parallel.strategies.pipeline.logs import LogRecord
 
     def rec(name: str, value: Any, **kwargs: Any) -> LogRecord:
         return LogRecord(name, torch.as_tensor(value), None, kwargs)
@@ -35,7 +35,7 @@ def _worker() -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from lightning_parallel.strategies.log_exchange import LogExchange
+    from lightning_parallel.strategies.pipeline.log_exchange import LogExchange
 
     last = dist.get_rank() == 1
     exchange = LogExchange(dist.group.WORLD, 1, torch.device("cpu"), holds_last=last)

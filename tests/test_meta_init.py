@@ -191,8 +191,8 @@ def test_meta_output_forward_runs_moe_units_as_opaque_ops(model: str) -> None:
     zoo's dispatch, a bf16-only ``grouped_mm`` meta kernel in Mixtral's experts), are not run; each
     unit answers with its input's shape, as in the traced stages. The units' own forwards come back."""
     from lightning_parallel.models import MoEGPT
-    from lightning_parallel.parallel.pipeline_meta import meta_output_forward
-    from lightning_parallel.parallel.pipeline_moe import opaque_units
+    from lightning_parallel.parallel.pipeline.meta import meta_output_forward
+    from lightning_parallel.parallel.pipeline.moe import opaque_units
     from lightning_parallel.testing.real_models import VOCAB, HFCausalLM
     from tests.test_strategy_ep import MOE_SPEC
 

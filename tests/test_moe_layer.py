@@ -22,7 +22,7 @@ from lightning_parallel.nn import (
     expert_capacity,
     set_moe_loss_coefs,
 )
-from lightning_parallel.parallel.expert_parallel import find_expert_modules, validate_expert_parallel
+from lightning_parallel.parallel.experts.apply import find_expert_modules, validate_expert_parallel
 from tests.test_expert_parallel import HFStyleModel
 
 LOGITS = [[2.0, 0.0, -1.0], [0.5, 1.5, 0.0], [0.0, -0.5, 3.0], [1.0, 1.2, 0.9]]

@@ -21,9 +21,10 @@ from torch import Tensor, nn
 from lightning_parallel.models.gpt import GPT
 from lightning_parallel.models.mlp import DeepMLP, MLPClassifier
 from lightning_parallel.parallel.dims import PP, ParallelDims
-from lightning_parallel.parallel.pipeline import build_pipeline, trace_pipeline
-from lightning_parallel.parallel.pipeline_plan import plan_pipeline
-from lightning_parallel.parallel.pipeline_schedules import resolve_virtual_stages, schedule_spec
+from lightning_parallel.parallel.pipeline.runtime import build_pipeline
+from lightning_parallel.parallel.pipeline.trace import trace_pipeline
+from lightning_parallel.parallel.pipeline.plan import plan_pipeline
+from lightning_parallel.parallel.pipeline.schedules import resolve_virtual_stages, schedule_spec
 from lightning_parallel.launcher import DistributedRunError
 from lightning_parallel.testing import run_distributed
 

@@ -1,7 +1,7 @@
 """Pipeline checkpoints without full copies (issue #14, item 4).
 
 Each pipeline rank saves the tensors its stages keep, as it holds them, and reads back only the
-tensors its stages hold (``strategies/pipeline_checkpoint.py``). Checked here:
+tensors its stages hold (``strategies/checkpoint/pipeline.py``). Checked here:
 
 * while the strategy builds a sharded checkpoint's state dicts no collective runs at all, the
   whole save moves a small fraction of the model's bytes (the old path broadcast every full

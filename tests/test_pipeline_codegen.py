@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from torch import fx
 
 from lightning_parallel.models import GPT
-from lightning_parallel.parallel.pipeline import CheckpointedForward, trace_pipeline
-from lightning_parallel.parallel.pipeline_codegen import BINDINGS, lean_stage_code
-from lightning_parallel.parallel.pipeline_plan import plan_pipeline
+from lightning_parallel.parallel.pipeline.trace import CheckpointedForward, trace_pipeline
+from lightning_parallel.parallel.pipeline.codegen import BINDINGS, lean_stage_code
+from lightning_parallel.parallel.pipeline.plan import plan_pipeline
 
 aten = torch.ops.aten
 _x = torch.randn(2, 3, 8)

@@ -12,8 +12,8 @@ from torch import nn
 
 from lightning_parallel.models.gpt import GPT
 from lightning_parallel.models.mlp import DeepMLP, MLPClassifier
-from lightning_parallel.parallel.pipeline_plan import _min_max_partition, plan_pipeline
-from lightning_parallel.parallel.pipeline_schedules import (
+from lightning_parallel.parallel.pipeline.plan import _min_max_partition, plan_pipeline
+from lightning_parallel.parallel.pipeline.schedules import (
     SCHEDULES,
     check_batch_size,
     check_microbatches,

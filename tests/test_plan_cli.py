@@ -134,7 +134,7 @@ def test_search_flag_errors_exit_non_zero(capsys: pytest.CaptureFixture[str]) ->
 
 def test_search_partial_recompute_flag_reaches_the_planner(capsys: pytest.CaptureFixture[str],
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    import lightning_parallel.parallel.planner as planner
+    import lightning_parallel.planner.search as planner
 
     seen: list[Any] = []
     real = planner.plan_layouts

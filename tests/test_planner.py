@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from lightning_parallel.models import GPT, MoEGPT
-from lightning_parallel.parallel.hardware import GiB, PROFILES, calibrate_cpu, get_profile
-from lightning_parallel.parallel.planner import SearchSpace, plan_layouts
-from lightning_parallel.parallel.planner_cost import bubble_factor, inflight
+from lightning_parallel.planner.hardware import GiB, PROFILES, calibrate_cpu, get_profile
+from lightning_parallel.planner.search import SearchSpace, plan_layouts
+from lightning_parallel.planner.cost import bubble_factor, inflight
 
 KW = {"vocab_size": 64, "block_size": 16, "n_layer": 4, "n_head": 4, "n_embd": 32}
 
@@ -183,8 +183,8 @@ def test_strategy_3d_keeps_explicit_options_and_logs_the_choice() -> None:
 def test_block_recomputation_only_when_asked_and_the_fewest_blocks_that_fit() -> None:
     import dataclasses
 
-    from lightning_parallel.parallel.planner_cost import Workload, predict
-    from lightning_parallel.parallel.planner_model import model_facts
+    from lightning_parallel.planner.cost import Workload, predict
+    from lightning_parallel.planner.model import model_facts
 
     facts = model_facts(_gpt(n_layer=8))
     space = dict(tensor_parallel_size=1, pipeline_parallel_size=1, zero_stages=(0,), cpu_offload=(False,))

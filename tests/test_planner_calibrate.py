@@ -1,4 +1,4 @@
-"""The measured CPU profile (parallel/calibrate.py) and what the cost model does with it.
+"""The measured CPU profile (planner/calibrate.py) and what the cost model does with it.
 
 ``derive`` must invert the cost model's own formulas (a drifted formula or a wrong inversion fails
 here, not only in the ranking benchmark); each measured overhead must move the layout it belongs to
@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from lightning_parallel.models import GPT
-from lightning_parallel.parallel.calibrate import LARGE_BYTES, SMALL_BYTES, calibrate_collectives, derive
-from lightning_parallel.parallel.hardware import PROFILES
-from lightning_parallel.parallel.planner import SearchSpace, plan_layouts
-from lightning_parallel.parallel.planner_cost import _ring
+from lightning_parallel.planner.calibrate import LARGE_BYTES, SMALL_BYTES, calibrate_collectives, derive
+from lightning_parallel.planner.hardware import PROFILES
+from lightning_parallel.planner.search import SearchSpace, plan_layouts
+from lightning_parallel.planner.cost import _ring
 
 RAW = {  # seconds, the shape of measure_on_ranks' answer (figures of this machine's order)
     "all_reduce_small": 0.4e-3, "all_gather_small": 0.3e-3, "reduce_scatter_small": 0.35e-3,

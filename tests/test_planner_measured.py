@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_parallel.parallel.planner import SearchSpace, plan_layouts
-from lightning_parallel.parallel.planner_model import model_facts
+from lightning_parallel.planner.search import SearchSpace, plan_layouts
+from lightning_parallel.planner.model import model_facts
 from lightning_parallel.testing import run_distributed
 
 TP_PLAN = {"fc1": "colwise", "fc2": "rowwise"}  # the MLP has no plan of its own to infer (no named pair)

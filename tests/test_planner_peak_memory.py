@@ -9,7 +9,7 @@ all-gather buffers, the tensor-parallel shards and the pipeline stage's buffers 
 measured peak is the busiest rank's maximum of live tensor bytes during the training steps
 (forward, backward, optimizer step). The planner predicts the same layout's per-rank peak from the
 meta-device model, batch, sequence length and dtype. Neither side counts the allocator's slack.
-(AdamW is not used: with it, zero1's ZeroRedundancyOptimizer fails to construct, see parallel/zero.py.)
+(AdamW is not used: with it, zero1's ZeroRedundancyOptimizer fails to construct, see parallel/data/zero1.py.)
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 from torch.utils.weak import WeakIdKeyDictionary
 
-from lightning_parallel.parallel.planner import SearchSpace, plan_layouts
-from lightning_parallel.parallel.planner_model import model_facts
+from lightning_parallel.planner.search import SearchSpace, plan_layouts
+from lightning_parallel.planner.model import model_facts
 
 GPT_KW = {"vocab_size": 256, "block_size": 64, "n_layer": 4, "n_head": 4, "n_embd": 128,
           "optimizer": "sgd", "momentum": 0.9, "lr": 0.1}
@@ -84,7 +84,7 @@ class LiveBytes(TorchDispatchMode):
 
         def resize_(st: torch.UntypedStorage, size: int) -> None:  # FSDP2 frees/refills buffers this way
             mode._resize(st, size)
-            if st in mode.sizes:  # FSDP2 (and parallel/fsdp_host.py) free a storage by resizing it to 0
+            if st in mode.sizes:  # FSDP2 (and parallel/data/fsdp_host.py) free a storage by resizing it to 0
                 mode.live += st.nbytes() - mode.sizes[st][0]
                 mode.sizes[st][0] = st.nbytes()
                 mode.peak = max(mode.peak, mode.live)

@@ -37,8 +37,8 @@ import pytest
 import torch
 
 from lightning_parallel.models import GPT
-from lightning_parallel.parallel.hardware import GiB
-from lightning_parallel.parallel.planner import SearchSpace, plan_layouts
+from lightning_parallel.planner.hardware import GiB
+from lightning_parallel.planner.search import SearchSpace, plan_layouts
 from lightning_parallel.testing.real_models import build_hf_model
 
 

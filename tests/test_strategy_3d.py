@@ -1,7 +1,7 @@
 """3D parallelism through the Trainer: tensor x pipeline (x data) parallel, unchanged GPT.
 
 Tensor parallelism inside pipeline stages is applied to the traced stage graphs
-(``parallel/pipeline_tp.py``); these runs compare losses (logged on every rank), the final
+(``parallel/pipeline/tensor.py``); these runs compare losses (logged on every rank), the final
 parameters (gathered from their owning stages, full tensors from the tensor-parallel shards)
 and the logged metrics with one process, with gradient clipping active: its norm spans the
 tensor shards of every stage.
@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from lightning_parallel.models import GPT
-from lightning_parallel.parallel.auto_degrees import choose_3d_degrees
-from lightning_parallel.strategies.pipeline_driver import resolve_pipeline_config
+from lightning_parallel.planner.auto_degrees import choose_3d_degrees
+from lightning_parallel.strategies.pipeline.config import resolve_pipeline_config
 from lightning_parallel.testing import run_distributed
 from lightning_parallel.testing.parity import run_fit, run_fits
 from tests.test_data_parallel import assert_parity
@@ -74,7 +74,7 @@ def _degrees(choice: Any) -> tuple[int, ...]:
 
 def test_3d_chooses_the_planners_fastest_layout_with_model_parallelism() -> None:
     # '3d' auto = the planner's fastest fitting layout among those with the most model-parallel
-    # axes (parallel/auto_degrees.py). 4 processes: tp2 x pp2 is the only layout with both.
+    # axes (planner/auto_degrees.py). 4 processes: tp2 x pp2 is the only layout with both.
     assert _degrees(choose_3d_degrees(_gpt(), 4, processes_per_node=4)) == (1, 2, 2)
     eight = choose_3d_degrees(_gpt(), 8, processes_per_node=8)
     assert _degrees(eight) == (2, 2, 2)

@@ -21,14 +21,14 @@ from torch.utils.data import DataLoader
 from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_parallel.models import GPT, MLPClassifier
-from lightning_parallel.strategies.pipeline_driver import auto_microbatches, resolve_pipeline_config
-from lightning_parallel.strategies.pipeline_logging import (
+from lightning_parallel.strategies.pipeline.config import auto_microbatches, resolve_pipeline_config
+from lightning_parallel.strategies.pipeline.logs import (
     LogCapture,
     count_forward_calls,
     probe_forward_inputs,
     reduce_microbatch_logs,
 )
-from lightning_parallel.parallel.pipeline_schedules import schedule_spec
+from lightning_parallel.parallel.pipeline.schedules import schedule_spec
 from lightning_parallel.testing import run_distributed
 from lightning_parallel.testing import parity
 from lightning_parallel.testing.parity import FitSpec, run_fit, run_fits, token_data
@@ -50,7 +50,7 @@ ACCUM = {"accumulate_grad_batches": 2}
 
 class LogsAsOneTensor(pl.Callback):
     """The step's logs and loss take the pickled broadcast once (the first step teaches every rank
-    their layout), then one tensor broadcast per step (``strategies/log_exchange.py``)."""
+    their layout), then one tensor broadcast per step (``strategies/pipeline/log_exchange.py``)."""
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         driver = getattr(trainer.strategy, "_pipeline", None)

@@ -1,7 +1,7 @@
 """Pipelines with MoE layers (pp x ep, tp x pp, 4D dp x tp x pp x ep, ``strategy="3d"``) match one process.
 
 MoE dispatch has data-dependent shapes, so pipeline stages run each MoE layer as one opaque op
-(``parallel/pipeline_moe.py``); expert parallelism splits the experts of each stage over its
+(``parallel/pipeline/moe.py``); expert parallelism splits the experts of each stage over its
 data-parallel ranks.
 
 The reference for training: the MoE balance loss is not linear in the batch, and a pipeline

@@ -3,7 +3,7 @@
 * pure torch (gloo, 2 ranks): :class:`DataParallelBatchNorm` on each rank's half of a batch gives
   one process's ``BatchNorm2d`` on the whole batch: outputs, input gradients, summed parameter
   gradients and running statistics;
-* through the Trainer: torchvision ``resnet18`` under ``dp``, ``zero1``, ``zero2``, ``zero3`` with
+* through the Trainer: transformers' ResNet under ``dp``, ``zero1``, ``zero2``, ``zero3`` with
   ``sync_batchnorm=True`` matches one process on the global batch; without the flag ``dp`` does
   not (each rank normalises with its own half batch), which shows the flag is what makes it exact;
 * layouts that cannot honour the flag refuse it with a typed error before any collective.
@@ -18,13 +18,14 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_parallel.coverage import RESNET_LR
 from lightning_parallel.testing import run_distributed
 from lightning_parallel.testing.parity import FitSpec, run_fits, run_fits_in_fresh_process
 from tests.test_data_parallel import assert_parity
 
 RESNET = FitSpec(
     model="lightning_parallel.testing.real_models:VisionClassifier",
-    model_kwargs={"arch": "resnet18"},
+    model_kwargs={"arch": "resnet", "lr": RESNET_LR},  # why this lr: lightning_parallel/coverage.py
     data="lightning_parallel.testing.real_models:image_data",
     global_batch=8,
     max_steps=5,
@@ -35,7 +36,7 @@ RESNET = FitSpec(
 def _batchnorm_worker() -> dict[str, Any]:
     import torch.distributed as dist
 
-    from lightning_parallel.parallel.sync_batchnorm import convert_sync_batchnorm
+    from lightning_parallel.parallel.data.sync_batchnorm import convert_sync_batchnorm
 
     rank = dist.get_rank()
     torch.manual_seed(0)
@@ -77,7 +78,7 @@ def test_batchnorm_over_two_ranks_equals_one_process_batchnorm() -> None:
             torch.testing.assert_close(r["buffers"][name], buffer, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
 
 
-def test_resnet18_sync_batchnorm_matches_one_process() -> None:
+def test_resnet_sync_batchnorm_matches_one_process() -> None:
     cases = [("dp", "dp", True), ("zero1", "zero1", True), ("zero2", "zero2", True), ("zero3", "zero3", True),
              ("dp, no sync_batchnorm", "dp", False)]
     specs = [dataclasses.replace(RESNET, strategy=strategy, devices=2,
@@ -94,7 +95,7 @@ def test_resnet18_sync_batchnorm_matches_one_process() -> None:
         else:  # per-rank statistics: documented to differ from one process on the global batch
             assert abs(merged["losses"][-1] - reference["losses"][-1]) > 1e-3 * abs(reference["losses"][-1]), label
     bn_buffers = [n for n in reference["params"] if "bn" in n]
-    assert bn_buffers  # resnet18's BatchNorm layers are really in play
+    assert bn_buffers  # resnet's BatchNorm layers are really in play
 
 
 @pytest.mark.parametrize(("degrees", "match"), [({"pipeline_parallel_size": 2}, "pipeline parallelism"),
@@ -109,6 +110,6 @@ def test_layouts_that_cannot_sync_batchnorm_refuse_it(degrees: dict[str, int], m
     strategy = HybridParallelStrategy(**degrees)
     dims = strategy.resolve_dims(world_size=2 * max(degrees.values()) if len(degrees) == 1 else 4)
     with pytest.raises(ValueError, match=f"sync_batchnorm.*{match}.*HINT"):
-        check_layer_sync(TorchSyncBatchNorm(), dims, VisionClassifier("resnet18"))
+        check_layer_sync(TorchSyncBatchNorm(), dims, VisionClassifier("resnet"))
     check_layer_sync(TorchSyncBatchNorm(), dims, VisionClassifier("vit"))  # no BatchNorm: nothing to refuse
-    check_layer_sync(None, dims, VisionClassifier("resnet18"))
+    check_layer_sync(None, dims, VisionClassifier("resnet"))

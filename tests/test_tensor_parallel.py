@@ -76,8 +76,8 @@ def _parity_worker(cases: list[tuple[str, str, bool]]) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
     from lightning_parallel.parallel.clip import total_norm
-    from lightning_parallel.parallel.tensor_parallel import apply_tensor_parallel
-    from lightning_parallel.parallel.tp_plan import resolve_tp_plan
+    from lightning_parallel.parallel.tensor.apply import apply_tensor_parallel
+    from lightning_parallel.parallel.tensor.plan import resolve_tp_plan
 
     tp = dist.get_world_size()
     mesh = init_device_mesh("cpu", (tp,))

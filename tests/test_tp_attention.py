@@ -25,9 +25,9 @@ def _worker() -> dict[str, Any]:
 
     from lightning_parallel.models.gpt import GPT
     from lightning_parallel.models.llama import Llama
-    from lightning_parallel.parallel import tp_attention
-    from lightning_parallel.parallel.tensor_parallel import apply_tensor_parallel
-    from lightning_parallel.parallel.tp_plan import resolve_tp_plan
+    from lightning_parallel.parallel.tensor import attention as tp_attention
+    from lightning_parallel.parallel.tensor.apply import apply_tensor_parallel
+    from lightning_parallel.parallel.tensor.plan import resolve_tp_plan
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""Loss parallelism (``lightning_parallel.parallel.tp_loss``): pure torch, 2 ranks (gloo), plus option checks.
+"""Loss parallelism (``lightning_parallel.parallel.tensor.loss``): pure torch, 2 ranks (gloo), plus option checks.
 
 One spawned run checks, against an unsharded copy of the same GPT on every rank: the LM head
 hands the step a ``Shard(-1)`` DTensor and nothing of the full logits' size is saved for the
@@ -38,9 +38,9 @@ def _worker() -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
     from lightning_parallel.models.gpt import GPT
-    from lightning_parallel.parallel.tensor_parallel import apply_tensor_parallel
-    from lightning_parallel.parallel.tp_loss import sharded_logits_step
-    from lightning_parallel.parallel.tp_plan import resolve_tp_plan
+    from lightning_parallel.parallel.tensor.apply import apply_tensor_parallel
+    from lightning_parallel.parallel.tensor.loss import sharded_logits_step
+    from lightning_parallel.parallel.tensor.plan import resolve_tp_plan
 
     tp = dist.get_world_size()
     mesh = init_device_mesh("cpu", (tp,))

@@ -15,7 +15,8 @@ from torch import nn
 from lightning_parallel.models.gpt import GPT
 from lightning_parallel.models.llama import BASE_MODEL_TP_PLAN, Llama
 from lightning_parallel.models.mlp import MLPClassifier, SeedMLP
-from lightning_parallel.parallel.tp_plan import resolve_tp_plan, tp_param_bytes
+from lightning_parallel.parallel.tensor.plan import resolve_tp_plan
+from lightning_parallel.parallel.tensor.shards import tp_param_bytes
 
 
 def meta(factory, *args, **kwargs):

@@ -14,7 +14,7 @@ from lightning_parallel.testing import run_distributed
 def _step_each() -> list[dict[str, Any]]:
     import torch.distributed as dist
 
-    from lightning_parallel.parallel.zero import shard_optimizer_state
+    from lightning_parallel.parallel.data.zero1 import shard_optimizer_state
 
     out = []
     for name, make in (("adamw", lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1)),

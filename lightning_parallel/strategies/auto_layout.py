@@ -1,6 +1,6 @@
 """What ``HybridParallelStrategy`` tells the layout planner when ``3d`` leaves the degrees "auto".
 
-The planner itself (:mod:`lightning_parallel.parallel.planner`) is pure torch; this is the Lightning
+The planner itself (:mod:`lightning_parallel.planner.search`) is pure torch; this is the Lightning
 side: which hardware profile the accelerator is, the compute dtype the Trainer's precision
 means, the options the user fixed, and the engine's own rules (a layout the strategy would refuse,
 e.g. ``compile_blocks`` with pipeline parallelism, or a Trainer precision pipelines do
@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_parallel.parallel.hardware import get_profile, profile_for_device
-from lightning_parallel.parallel.planner_cost import Layout
+from lightning_parallel.planner.hardware import get_profile, profile_for_device
+from lightning_parallel.planner.cost import Layout
 
 
 def _compute_dtype(strategy: Any) -> str:
@@ -31,7 +31,7 @@ def engine_check(strategy: Any, module: nn.Module) -> Any:
     """A ``Layout -> reason | None`` callable with the strategy's validation rules for that layout."""
     from lightning_parallel.parallel.compile import check_compile_layout
     from lightning_parallel.strategies.options import check_pipeline_precision, validate_options
-    from lightning_parallel.strategies.pipeline_driver import resolve_pipeline_config
+    from lightning_parallel.strategies.pipeline.config import resolve_pipeline_config
 
     def check(layout: Layout) -> str | None:
         degrees = {
@@ -62,7 +62,7 @@ def engine_check(strategy: Any, module: nn.Module) -> Any:
 
 
 def planner_inputs(strategy: Any, module: nn.Module) -> dict[str, Any]:
-    """Keyword arguments for :func:`~lightning_parallel.parallel.auto_degrees.choose_3d_degrees`."""
+    """Keyword arguments for :func:`~lightning_parallel.planner.auto_degrees.choose_3d_degrees`."""
     devices = strategy.parallel_devices or []
     device = devices[0] if devices else torch.device("cpu")
     profile = profile_for_device(device) if device.type == "cuda" else get_profile("cpu")

@@ -9,7 +9,7 @@ for the work whose mechanics differ:
   experts): Lightning's own step through the model the layout returned, the sharded-logits
   context of ``loss_parallel``, MoE losses, expert gradient reduction under DDP, layout-aware
   global-norm clipping, DCP state dicts;
-* :class:`PipelineEngine` — pipelines (``strategies/pipeline_driver.py``): the schedule runs
+* :class:`PipelineEngine` — pipelines (``strategies/pipeline/driver.py``): the schedule runs
   forward and backward inside ``training_step`` under the Trainer's precision context, the step's
   backward restores the schedule's gradients, clipping spans every stage, and state dicts and loads
   touch only the stages this rank keeps.
@@ -31,8 +31,8 @@ from torch.optim import Optimizer
 
 from lightning_parallel.parallel.clip import clip_grad_norm_
 from lightning_parallel.parallel.dims import PP_DP
-from lightning_parallel.parallel.tp_loss import sharded_logits_step
-from lightning_parallel.strategies import checkpoint as ckpt
+from lightning_parallel.parallel.tensor.loss import sharded_logits_step
+from lightning_parallel.strategies.checkpoint import files as ckpt
 from lightning_parallel.strategies import precision as prec
 from lightning_parallel.strategies.early_zero_grad import free_dropped_gradients
 from lightning_parallel.strategies.experts import add_moe_losses, reduce_expert_grads
@@ -169,7 +169,7 @@ class PipelineEngine:
         return self.driver.checkpoint_model_state(full=full)  # each tensor from the stage keeping it
 
     def optimizer_state(self, optimizer: Optimizer, full: bool) -> dict[str, Any]:
-        return self.driver.checkpoint_optimizer_state(optimizer, full=full)  # strategies/pipeline_checkpoint.py
+        return self.driver.checkpoint_optimizer_state(optimizer, full=full)  # strategies/checkpoint/pipeline.py
 
     def load(self, path: Path, fitting: bool) -> dict[str, Any]:
         """Per rank, only what its stages hold. Before the stages exist (they are traced from the

@@ -1,7 +1,7 @@
 """Expert parallelism on the Lightning side: apply, reduce expert gradients, add MoE losses.
 
 Kept apart from the strategy class: the pure-torch work is in
-:mod:`lightning_parallel.parallel.expert_parallel` and :mod:`lightning_parallel.nn.moe`; this file
+:mod:`lightning_parallel.parallel.experts.apply` and :mod:`lightning_parallel.nn.moe`; this file
 is the glue that decides which group reduces what, and how the auxiliary losses reach the loss
 Lightning backpropagates without touching the user's ``training_step``.
 """
@@ -22,7 +22,7 @@ from lightning_parallel.nn.moe import (
     set_moe_stats_group,
 )
 from lightning_parallel.parallel.dims import DP, EDP, EP, ParallelDims
-from lightning_parallel.parallel.expert_parallel import apply_expert_parallel, find_expert_modules
+from lightning_parallel.parallel.experts.apply import apply_expert_parallel, find_expert_modules
 
 
 def apply_experts(

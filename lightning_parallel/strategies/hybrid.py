@@ -10,12 +10,17 @@ the user's unchanged LightningModule::
 Everything that depends only on the options is validated in ``__init__``; everything that
 depends on the world size in ``setup_environment()`` before the process group exists. No rank
 ever waits on a collective because of a configuration error.
+
+This file is Lightning's contract (options, topology, process group, ``setup``, ``teardown``) and a
+dispatcher; the rest of the class lives beside it as mixins, one concern each: ``layout.py`` (the
+degrees, the plans, the techniques applied in the order above, materialisation), ``steps.py``
+(steps and the optimizer step, handed to the step engine of ``engine.py``), ``collectives.py``
+and ``checkpoint/hooks.py``.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Generator, Mapping, Sequence
+from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -25,60 +30,37 @@ import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
-from lightning.pytorch.strategies.strategy import TBroadcast
-from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
-from torch import Tensor, nn
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
-from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_parallel.compat import ddp_ignore
 from lightning_parallel.compat_lightning import (
     MultiProcessingLauncher as _MultiProcessingLauncher,
     SubprocessScriptLauncher as _SubprocessScriptLauncher,
-    all_gather_ddp_if_available as _all_gather_ddp_if_available,
     distributed_is_initialized as _distributed_is_initialized,
     optimizers_to_device as _optimizers_to_device,
     set_device_mesh,
-    sync_ddp_if_available as _sync_ddp_if_available,
-    unwrap_optimizer,
 )
-from lightning_parallel.parallel.activation_checkpointing import apply_activation_checkpointing
-from lightning_parallel.parallel.compile import apply_compile, check_compile_layout, compile_kwargs
-from lightning_parallel.parallel.blocks import find_repeated_blocks
-from lightning_parallel.parallel.data_parallel import apply_ddp, apply_fsdp, fsdp_modules
-from lightning_parallel.parallel.auto_degrees import DegreeChoice, choose_3d_degrees
-from lightning_parallel.strategies.auto_layout import planner_inputs
-from lightning_parallel.parallel.pipeline_schedules import resolve_virtual_stages, schedule_spec
-from lightning_parallel.parallel.dims import DP, EDP, TP, Degree, ParallelDims
-from lightning_parallel.parallel.expert_parallel import validate_expert_parallel
-from lightning_parallel.parallel.materialize import MetaInitContext, RngSnapshot, has_meta_tensors, materialize_meta_module, move_real_tensors
-from lightning_parallel.parallel.tensor_parallel import apply_tensor_parallel
-from lightning_parallel.parallel.tp_plan import TensorParallelPlan, resolve_tp_plan
-from lightning_parallel.parallel.zero import shard_optimizer_state
-from lightning_parallel.pretrained import run_pending_loads
-from lightning_parallel.strategies import checkpoint as ckpt
+from lightning_parallel.parallel.compile import check_compile_layout, compile_kwargs
+from lightning_parallel.planner.auto_degrees import DegreeChoice
+from lightning_parallel.parallel.dims import Degree, ParallelDims
+from lightning_parallel.parallel.tensor.plan import TensorParallelPlan
 from lightning_parallel.strategies import precision as prec
-from lightning_parallel.strategies.engine import StepEngine, engine_for
-from lightning_parallel.strategies.experts import apply_experts
-from lightning_parallel.strategies.layer_sync import apply_layer_sync, check_layer_sync
-from lightning_parallel.strategies.resume import (
-    RNG_KEY,
-    consumed_batches,
-    gather_rng_states,
-    make_resumable,
-    restore_rng_state,
-)
-from lightning_parallel.strategies.async_checkpoint import AsyncCheckpointWriter
-from lightning_parallel.strategies.collective_errors import explain_collective_errors, nccl_watchdog_defaults
+from lightning_parallel.strategies.layer_sync import check_layer_sync
+from lightning_parallel.strategies.checkpoint.async_save import AsyncCheckpointWriter
+from lightning_parallel.strategies.collective_errors import nccl_watchdog_defaults
 from lightning_parallel.strategies.nonfinite import NonFiniteGuard, NonFiniteMode, validate_nonfinite
 from lightning_parallel.strategies.process_group import check_backend, default_backend, init_process_group
+from lightning_parallel.strategies.checkpoint.hooks import CheckpointHooksMixin
+from lightning_parallel.strategies.collectives import CollectivesMixin
+from lightning_parallel.strategies.layout import LayoutMixin, StepWrapper
+from lightning_parallel.strategies.steps import StepHooksMixin
 from lightning_parallel.strategies.options import (
     as_timedelta,
     check_fsdp_units,
@@ -88,37 +70,7 @@ from lightning_parallel.strategies.options import (
 )
 
 
-# A module is parallelised in place once (fully_shard and checkpoint hooks cannot be applied
-# twice); fit then test on one Trainer, or a second Trainer with the same layout, reuse it. The
-# record lives in the module's own ``__dict__`` (not a parameter, buffer or submodule, so not in
-# its state dict): it references the module (through the wrapper and the pipeline driver), and a
-# global ``WeakKeyDictionary`` holding such values keeps every module alive forever; a reference
-# cycle inside the module is freed by the garbage collector with the module.
-_LAYOUT_ATTR = "_lightning_parallel_layout"
-_LayoutRecord = tuple[tuple[Any, ...], nn.Module, Any, list[nn.Parameter]]
-
-
-def _layout_record(module: nn.Module) -> _LayoutRecord | None:
-    return module.__dict__.get(_LAYOUT_ATTR)
-
-
-class _StepWrapper(nn.Module):
-    """FSDP2 root around the LightningModule.
-
-    Lightning calls ``training_step``, not ``forward``; its forward redirection calls this
-    wrapper's ``forward`` with ``training_step`` patched in, so the FSDP root hooks (unshard,
-    gradient reduction) run around the whole step exactly once, whatever the step calls.
-    """
-
-    def __init__(self, module: nn.Module) -> None:
-        super().__init__()
-        self.module = module
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
-
-
-class HybridParallelStrategy(ParallelStrategy):
+class HybridParallelStrategy(LayoutMixin, StepHooksMixin, CollectivesMixin, CheckpointHooksMixin, ParallelStrategy):
     """Data, ZeRO/FSDP2, tensor, pipeline and expert parallelism for an unchanged LightningModule.
 
     Args:
@@ -140,7 +92,7 @@ class HybridParallelStrategy(ParallelStrategy):
         sequence_parallel: shard norms and dropout along the sequence between tensor-parallel regions.
         loss_parallel: keep the LM head's logits sharded over the vocabulary inside the steps and compute
             ``F.cross_entropy`` on the shards (``torch``'s ``loss_parallel``), never gathering the full
-            logits for the loss; what else the step may do with the logits: :mod:`~lightning_parallel.parallel.tp_loss`.
+            logits for the loss; what else the step may do with the logits: :mod:`~lightning_parallel.parallel.tensor.loss`.
         pipeline_schedule: ``gpipe``, ``1f1b``, ``interleaved_1f1b``, ``looped_bfs``, ``interleaved_zb``,
             ``zbv`` or ``dualpipev``.
         microbatches: microbatches per batch (``"auto"``: the number of stages, at least 2).
@@ -152,11 +104,11 @@ class HybridParallelStrategy(ParallelStrategy):
         ddp_bucket_cap_mb: DDP gradient bucket size; smaller buckets start communicating sooner.
         fsdp_units: ``"block"`` (default: one FSDP2 unit per repeated block, as torchtitan) or
             ``"sublayer"`` (a block's attention and MLP are units of their own: lower peak memory,
-            one more unit per block to pay per step; ``parallel/data_parallel.py:sublayer_units``).
+            one more unit per block to pay per step; ``parallel/data/apply.py:sublayer_units``).
             Only where FSDP2 shards eager layouts (``zero_stage`` 2-3, or data x tensor parallelism).
         save_distributed_checkpoint: sharded DCP directory (default) or one consolidated file.
         async_save: write sharded checkpoints in the background (DCP ``async_save``): the step
-            blocks only to copy the shards to CPU memory (see ``strategies/async_checkpoint.py``).
+            blocks only to copy the shards to CPU memory (see ``strategies/checkpoint/async_save.py``).
         on_nonfinite: a non-finite loss or gradient on any rank: ``"error"`` (default) stops every
             rank together naming the step and the first parameter, ``"skip"`` drops the step on
             every rank, ``"off"`` does not check (see ``strategies/nonfinite.py``).
@@ -272,7 +224,7 @@ class HybridParallelStrategy(ParallelStrategy):
         self.split_points = list(split_points) if split_points else None
         self.moe_aux_loss_coef = moe_aux_loss_coef
         self.moe_z_loss_coef = moe_z_loss_coef
-        # Takes over the steps when the model is split into pipeline stages (see pipeline_driver.py).
+        # Takes over the steps when the model is split into pipeline stages (see strategies/pipeline/driver.py).
         self._pipeline: Any | None = None
         self._expert_params: list[nn.Parameter] = []
         self._resume_skip_pending = False  # set when a checkpoint is restored for fit
@@ -325,43 +277,6 @@ class HybridParallelStrategy(ParallelStrategy):
     def device_mesh(self) -> DeviceMesh:
         return self.parallel_dims.mesh
 
-    def resolve_dims(self, world_size: int | None = None) -> ParallelDims:
-        """Resolve the degrees for ``world_size`` (default: devices x num_nodes). No collective."""
-        world_size = world_size if world_size is not None else self.num_nodes * self.num_processes
-        degrees = dict(self._degrees)
-        if degrees["tensor_parallel_size"] == "auto" and degrees["pipeline_parallel_size"] == "auto":
-            choice = self._choose_3d_degrees(world_size)
-            degrees.update(tensor_parallel_size=choice.tp, pipeline_parallel_size=choice.pp, data_parallel_size=choice.dp)
-            if degrees["expert_parallel_size"] == "auto":  # 4D for a model with MoE layers, 1 for a dense one
-                degrees["expert_parallel_size"] = choice.ep
-        dims = ParallelDims.resolve(
-            world_size, **degrees, sharded=self.zero_stage >= 2, hybrid=self.hybrid_shard, num_nodes=self.num_nodes
-        )
-        if dims.pp > 1 and self.zero_stage == 1:  # pipeline stages shard over dp with FSDP2 at every zero_stage >= 1
-            dims = ParallelDims.resolve(world_size, **degrees, sharded=True, hybrid=self.hybrid_shard, num_nodes=self.num_nodes)
-        return dims
-
-    def _choose_3d_degrees(self, world_size: int) -> DegreeChoice:
-        """Both model-parallel degrees "auto" (strategy '3d'): chosen from the model, once, logged on rank 0."""
-        cached = self._degree_choice
-        if cached is not None and cached[0] == world_size:
-            return cached[1]
-        module = self.lightning_module
-        if module is None:
-            raise RuntimeError(
-                "The 3D degrees are chosen from the model, and no model is attached yet. HINT: read"
-                " distributed_sampler_kwargs after Trainer.fit has started, call strategy.connect(model) first,"
-                " or give tensor_parallel_size and pipeline_parallel_size as ints."
-            )
-        virtual = resolve_virtual_stages(schedule_spec(self.pipeline_schedule), self.virtual_stages)
-        choice = choose_3d_degrees(
-            module, world_size, processes_per_node=max(1, self.num_processes),
-            data_parallel_size=self._degrees["data_parallel_size"], tp_plan=self.tp_plan,
-            virtual_stages=virtual, split_points=self.split_points, **planner_inputs(self, module),
-        )
-        rank_zero_info(choice.explain())
-        self._degree_choice = (world_size, choice)
-        return choice
 
     @property
     @override
@@ -417,24 +332,6 @@ class HybridParallelStrategy(ParallelStrategy):
         self._axis_groups = {name: dist.get_process_group_ranks(mesh.get_group(name)) for name in mesh.mesh_dim_names}
         rank_zero_info(f"{type(self).__name__}: {self._dims.describe()}, zero_stage={self.zero_stage}")
 
-    def _resolve_plans(self) -> None:
-        """Plan the model's layout (pure inspection), so plan errors come before any collective.
-
-        A model that builds its layers in ``configure_model`` has none yet: it is planned in
-        ``setup()`` instead, symmetrically on every rank.
-        """
-        module = self.lightning_module
-        if module is not None and _layout_record(module) is not None:
-            return  # laid out by an earlier stage (fit, then test): its plans were checked then
-        if self.parallel_dims.ep > 1 and module is not None and any(True for _ in module.parameters()):
-            validate_expert_parallel(module, self.parallel_dims.ep)  # no MoE layer, E % ep: before any collective
-        if self._tp_resolved is None and self.parallel_dims.tp > 1 and module is not None and any(
-            True for _ in module.parameters()
-        ):
-            self._tp_resolved = resolve_tp_plan(
-                module, self.parallel_dims.tp, user_plan=self.tp_plan, strict=self.strict_plan,
-                split_experts=self.parallel_dims.ep == 1,  # with ep > 1 expert parallelism owns the experts
-            )
 
     # ------------------------------------------------------------------ model set-up
     @override
@@ -456,391 +353,21 @@ class HybridParallelStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 
-    def _layout_signature(self) -> tuple[Any, ...]:
-        dims = self.parallel_dims
-        plan = tuple(sorted(self.tp_plan.items())) if self.tp_plan else None
-        pipeline = (self.pipeline_schedule, self.microbatches, self.virtual_stages, tuple(self.split_points or ()))
-        return (dims.shape, dims.ep, self.zero_stage, self.cpu_offload, prec.fsdp_param_dtype(self.precision_plugin),
-                self.activation_checkpointing, plan, self.sequence_parallel, self.loss_parallel, pipeline)
-
-    def _parallelize(self, module: pl.LightningModule) -> nn.Module:
-        """Apply the layout once per module; a later setup with the same layout reuses it."""
-        signature = self._layout_signature()
-        record = _layout_record(module)
-        if record is not None:
-            previous, root, self._pipeline, self._expert_params = record
-            if previous != signature:
-                raise RuntimeError(
-                    f"This {type(module).__name__} was already parallelised with layout {previous}; it cannot be"
-                    f" re-laid out as {signature} in place. HINT: build a fresh model and load a checkpoint into it"
-                    " (checkpoints are layout-independent)."
-                )
-            return root
-        root = self._apply_layout(module)
-        module.__dict__[_LAYOUT_ATTR] = (signature, root, self._pipeline, self._expert_params)
-        return root
-
-    def _apply_layout(self, module: pl.LightningModule) -> nn.Module:
-        """Apply the techniques in the documented order; return what Lightning should call."""
-        dims = self.parallel_dims
-        fsdp = dims.pp == 1 and dims.dp > 1 and (self.zero_stage >= 2 or dims.tp > 1)
-        check_fsdp_units(self.fsdp_units, self.zero_stage, dims.tp, dims.pp, dims.dp)  # every rank, before any collective
-        if dims.pp > 1:
-            from lightning_parallel.strategies.pipeline_driver import PipelineDriver
-
-            check_compile_layout(self._compile_kwargs, dims.pp, dims.tp)
-            # Stages are traced from the first real batch (the traced graph fixes its shape);
-            # tensor parallelism is applied to the traced stages then (parallel/pipeline_tp.py).
-            if dims.tp > 1:
-                self._log_tp_plan()
-            # A meta-built model stays meta: the driver traces it and materialises this rank's stages only.
-            self._pipeline = PipelineDriver(self, module)
-            return module
-        apply_layer_sync(self._layer_sync, module, dims)  # BatchNorm statistics over the dp group
-        blocks = find_repeated_blocks(module)
-        check_compile_layout(self._compile_kwargs, dims.pp, dims.tp)  # "auto" degrees resolved now
-        if dims.tp > 1:
-            apply_tensor_parallel(
-                module, dims.axis(TP), self._log_tp_plan(), sequence_parallel=self.sequence_parallel, loss_parallel=self.loss_parallel
-            )
-        experts, self._expert_params = apply_experts(module, dims, self.moe_aux_loss_coef, self.moe_z_loss_coef)
-        if self.activation_checkpointing:
-            self._checkpointed_blocks = apply_activation_checkpointing(module, blocks)
-        if self._compile_kwargs is not None:  # after tp and checkpointing (traced in), before FSDP2 / DDP hooks
-            self._compiled_blocks = apply_compile(blocks, self._compile_kwargs)
-        if fsdp:
-            # DTensor parameters (tensor parallel) cannot go through DDP: FSDP2 over the
-            # (replicate, shard) mesh covers replication too (shard size 1 = all-reduce only).
-            root = _StepWrapper(module)
-            apply_fsdp(
-                root,
-                [block for _, block in blocks],
-                dims.data_parallel_mesh(),
-                reshard_after_forward=self.zero_stage == 3,  # 0 with tp: nothing is sharded anyway
-                mixed_precision=prec.fsdp_param_dtype(self.precision_plugin),  # the Trainer's precision
-                cpu_offload=self.cpu_offload,
-                own_meshes=[(m, dims.axis(EDP)) for m in experts.values()],
-                split_blocks=self.fsdp_units == "sublayer",
-            )
-            self._materialize(root)  # meta-built model: each rank allocates and initialises its shards only
-            return root
-        self._materialize(module)  # DDP broadcasts real tensors; tp / ep parameters are DTensor shards already
-        if dims.dp > 1:
-            if self._expert_params:  # averaged over edp by reduce_expert_grads, not by DDP over dp
-                names = [n for n, p in module.named_parameters() if any(p is q for q in self._expert_params)]
-                ddp_ignore(module, names)
-            return apply_ddp(
-                module,
-                dims.axis(DP),
-                bucket_cap_mb=self.ddp_bucket_cap_mb,
-                find_unused_parameters=self.find_unused_parameters,
-            )
-        return module
-
-    @property
-    def _uses_zero_redundancy_optimizer(self) -> bool:
-        """ZeRO-1 without pipelines shards the optimizer with torch's ZeroRedundancyOptimizer (pipeline
-        stages shard with FSDP2 at every zero_stage >= 1, see parallel/pipeline_fsdp.py)."""
-        dims = self.parallel_dims
-        return self.zero_stage == 1 and dims.dp > 1 and dims.pp == 1
-
-    @property
-    def tensor_parallel_plan(self) -> TensorParallelPlan:
-        """The resolved tensor-parallel plan (module -> style) for the attached module."""
-        self._resolve_plans()
-        if self._tp_resolved is None:
-            raise RuntimeError("No tensor-parallel plan: tensor_parallel_size is 1 or no module with parameters is attached yet.")
-        return self._tp_resolved
-
-    def _log_tp_plan(self) -> TensorParallelPlan:
-        plan = self.tensor_parallel_plan
-        rank_zero_info(f"Tensor-parallel plan ({plan.source}):\n{plan.table()}")
-        return plan
-
-    @override
-    def setup_optimizers(self, trainer: pl.Trainer) -> None:
-        super().setup_optimizers(trainer)
-        if not self._uses_zero_redundancy_optimizer:
-            return
-        group = self.parallel_dims.axis(DP).get_group()
-        for idx, optimizer in enumerate(self.optimizers):
-            sharded = shard_optimizer_state(optimizer, group)
-            for config in self.lr_scheduler_configs:
-                if getattr(config.scheduler, "optimizer", None) is optimizer:
-                    config.scheduler.optimizer = sharded  # type: ignore[attr-defined]
-            self.optimizers[idx] = sharded
-
-    @override
-    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any | None = None, **kwargs: Any) -> Any:
-        with self._explain("optimizer step (clipping, non-finite check, ZeRO)"):
-            return self._optimizer_step(optimizer, closure, model, **kwargs)
-
-    def _optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any | None = None, **kwargs: Any) -> Any:
-        """Run the closure, let every rank agree that its loss and gradients are finite (see
-        ``strategies/nonfinite.py``), then clip and step as Lightning would; a skipped step never
-        reaches the optimizer on any rank."""
-        if not self._nonfinite.active or prec.grad_scaler(self.precision_plugin) is not None:
-            # 16-mixed: the grad scaler owns non-finite gradients (it skips the step and backs off, as torch does)
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
-        model = model or self.lightning_module
-        result = closure()
-        inner = unwrap_optimizer(optimizer)
-        params = [p for group in inner.param_groups for p in group["params"]]
-        loss = result if isinstance(result, Tensor) else None
-        step = self.lightning_module.trainer.global_step if self.lightning_module is not None else -1
-        if not self._nonfinite.step_is_finite(self.lightning_module, params, loss, step, self.root_device):
-            return None
-        return self.precision_plugin.optimizer_step(optimizer, model=model, closure=lambda: result, **kwargs)
-
-    def _explain(self, phase: str) -> contextlib.AbstractContextManager[None]:
-        """Collective timeouts and lost peers in ``phase`` re-raised with the axes' ranks (see
-        ``strategies/collective_errors.py``)."""
-        return explain_collective_errors(phase, self.global_rank, self._axis_groups, self._timeout)
-
-    def _install_global_norm_clipping(self) -> None:
-        """Route Lightning's norm clipping through the layout-aware global norm."""
-        plugin = self.precision_plugin
-
-        def clip_grad_by_norm(optimizer: Optimizer, clip_val: int | float) -> None:
-            self._engine.clip_grad_norm(optimizer, float(clip_val))
-
-        plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
-
-    @override
-    def model_to_device(self) -> None:
-        assert self.model is not None
-        if has_meta_tensors(self.model):  # built on the meta device: materialised after the layout
-            move_real_tensors(self.model, self.root_device)
-        else:
-            self.model.to(self.root_device)
-
-    @contextlib.contextmanager
-    @override
-    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
-        """``Trainer.init_module(empty_init=True)`` builds the model on the meta device (as Lightning's
-        ModelParallelStrategy does); set-up applies the layout to the meta parameters, then each rank
-        allocates and initialises only what it holds, from the random state recorded here, so the
-        values are those of an eager build (see :mod:`lightning_parallel.parallel.materialize`)."""
-        if not empty_init:
-            with super().tensor_init_context(empty_init):
-                yield
-            return
-        self._meta_rng = RngSnapshot.capture(self.root_device)
-        with MetaInitContext(self.root_device), self.precision_plugin.tensor_init_context():  # metrics: real states
-            yield
-
-    def _materialize(
-        self, module: nn.Module, in_place: bool = False, also: Sequence[nn.Module] = (), full_shapes: dict[str, Any] | None = None
-    ) -> dict[Tensor, Tensor]:
-        """Allocate and initialise this rank's part of a meta-built model (no-op otherwise; no collective).
-        ``in_place``: pipeline stages (``also``) share the module's parameter objects (see parallel/pipeline_meta.py);
-        returns the tensors that had to be replaced by new objects, for the optimizers."""
-        if not has_meta_tensors(module):
-            return {}
-        device = torch.device("cpu") if self.cpu_offload else self.root_device  # FSDP2 offload keeps shards on the CPU
-        report = materialize_meta_module(module, device, getattr(self, "_meta_rng", None), buffer_device=self.root_device,
-                                         in_place=in_place, also=also, full_shapes=full_shapes)
-        self._meta_report = report  # for the monitor and the tests: what this rank holds, the largest temporary
-        run_pending_loads(module, full_shapes)  # load_pretrained(...) on the meta model: each rank reads the slices it holds
-        rank_zero_info(
-            f"Materialised the meta-device model: {report.local_bytes / 2**20:.1f} MiB held on rank 0, largest"
-            f" initialisation temporary {report.peak_temporary_bytes / 2**20:.1f} MiB"
-        )
-        return report.replaced
 
     # ------------------------------------------------------------------ steps
-    @override
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        """Remember the batch index: a step predicts from it whether Lightning's zero_grad follows,
-        as Lightning decides it, and frees the gradients it would drop (``strategies/early_zero_grad.py``)."""
-        self.train_batch_idx = batch_idx
-        super().on_train_batch_start(batch, batch_idx)
 
-    @property
-    def _engine(self) -> StepEngine:
-        """The step engine of the applied layout (``strategies/engine.py``): eager, or the pipeline's."""
-        return engine_for(self)
-
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        engine = self._engine
-        with self._explain(engine.forward_phase):
-            return engine.training_step(*args, **kwargs)
-
-    @override
-    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
-        with self._explain("backward (gradient reduction)"):
-            return self._engine.backward(closure_loss, optimizer, *args, **kwargs)
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._engine.eval_step("validation_step", *args, **kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._engine.eval_step("test_step", *args, **kwargs)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._engine.eval_step("predict_step", *args, **kwargs)
-
-    @contextlib.contextmanager
-    @override
-    def block_backward_sync(self) -> Generator[None, None, None]:
-        """Skip gradient reduction on accumulation steps (DDP ``no_sync``, FSDP2 gradient sync off)."""
-        if isinstance(self.model, DistributedDataParallel):
-            with self.model.no_sync():
-                yield
-            return
-        roots = fsdp_modules(self.model) if self.model is not None else []
-        for root in roots:
-            root.set_requires_gradient_sync(False, recurse=False)
-        try:
-            yield
-        finally:
-            for root in roots:
-                root.set_requires_gradient_sync(True, recurse=False)
 
     # ------------------------------------------------------------------ collectives
-    def _data_parallel_group(self) -> dist.ProcessGroup | None:
-        if self._dims is None or self._dims._mesh is None or self._dims.dp == self._dims.world_size:
-            return None
-        return self._dims.axis(DP).get_group()
 
-    @override
-    def reduce(
-        self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
-    ) -> Tensor | Any:
-        """Reduce over the data-parallel group by default: tensor and pipeline peers hold the same value."""
-        if not isinstance(tensor, Tensor):
-            return tensor
-        return _sync_ddp_if_available(tensor, group if group is not None else self._data_parallel_group(), reduce_op)
-
-    @override
-    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
-        """Gather over the data-parallel group by default, like ``reduce``: tensor and pipeline peers
-        hold the same value, so gathering over the world would repeat each sample tp x pp times."""
-        return _all_gather_ddp_if_available(tensor, group=group if group is not None else self._data_parallel_group(),
-                                            sync_grads=sync_grads)
-
-    @override
-    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        """Count over the world: ``reduce`` sums over the data-parallel group only, so Lightning's
-        default (sum == world size) would be False for every decision under tp or pp."""
-        if not _distributed_is_initialized():
-            return decision
-        flag = torch.tensor(int(decision), device=self.root_device)
-        dist.all_reduce(flag, op=dist.ReduceOp.SUM)
-        return bool(flag == self.world_size) if all else bool(flag > 0)
-
-    @override
-    def barrier(self, name: str | None = None) -> None:
-        if not _distributed_is_initialized():
-            return
-        if dist.get_backend() == "nccl":
-            dist.barrier(device_ids=[self.root_device.index])
-        else:
-            dist.barrier()
-
-    @override
-    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        if not _distributed_is_initialized():
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src)
-        return box[0]
 
     # ------------------------------------------------------------------ checkpoints
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        return True
 
-    @property
-    @override
-    def lightning_restore_optimizer(self) -> bool:
-        return False
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        assert self.lightning_module is not None
-        return self._engine.model_state(full=not self._save_distributed_checkpoint)
-
-    @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        optimizer = unwrap_optimizer(optimizer)
-        assert self.lightning_module is not None
-        return self._engine.optimizer_state(optimizer, full=not self._save_distributed_checkpoint)
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        with self._explain("checkpoint save"):
-            self._save_checkpoint(checkpoint, filepath, storage_options)
-
-    def _save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        target = self.broadcast(str(filepath))
-        checkpoint[RNG_KEY] = gather_rng_states()
-        if self._async_writer is not None and self._fitting_now():
-            self._async_writer.save(checkpoint, ckpt.local_path(target, "async_save=True"))
-        elif self._save_distributed_checkpoint:
-            ckpt.save_sharded(checkpoint, ckpt.local_path(target, "save_distributed_checkpoint=True"))
-        else:  # the string as given: Lightning's checkpoint IO writes fsspec URLs (s3://, gs://) itself
-            super().save_checkpoint(checkpoint, target, storage_options)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        self.finish_pending_save()  # a checkpoint still being written in the background is complete first
-        path = ckpt.local_path(self.broadcast(str(checkpoint_path)), "loading a checkpoint")
-        assert self.lightning_module is not None
-        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
-        self._resume_skip_pending = fitting
-        loaded = self._engine.load(path, fitting)  # each rank reads only what it holds
-        # Restored now (right for a checkpoint at an epoch end) and again once a mid-epoch resume
-        # has created its data iterator, which draws from the RNG where the saved run did not.
-        self._resume_rng = loaded.get(RNG_KEY) if fitting else None
-        restore_rng_state(self._resume_rng)
-        return loaded
-
-    @override
-    def process_dataloader(self, dataloader: object) -> object:
-        """Resume mid-epoch at the right batch (see :mod:`lightning_parallel.strategies.resume`)."""
-        return make_resumable(dataloader, self._batches_to_skip, lambda _: restore_rng_state(self._resume_rng))
-
-    def _batches_to_skip(self, loader: torch.utils.data.DataLoader) -> int:
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if not self._resume_skip_pending or trainer is None or not trainer.training:
-            return 0
-        self._resume_skip_pending = False
-        return consumed_batches(trainer, loader)
-
-    @override
-    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        """Already loaded in place by ``load_checkpoint`` (with resharding)."""
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        """Already loaded in place by ``load_checkpoint`` (with resharding)."""
-
-    def _fitting_now(self) -> bool:
-        """Saves during ``fit`` go to the background; one after it (``trainer.save_checkpoint`` once
-        fit returned) is written at once: no later save, load or teardown would complete it."""
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        return trainer is not None and trainer.state.fn == TrainerFn.FITTING and trainer.state.status == TrainerStatus.RUNNING
-
-    def finish_pending_save(self) -> None:
-        """Wait for a background save (``async_save=True``) and put it in place (collective)."""
-        if self._async_writer is not None and self._async_writer.pending:
-            self._async_writer.wait()
-
-    def _close_async_writer(self) -> None:
-        if self._async_writer is not None:
-            self._async_writer.close()
 
     @override
     def teardown(self) -> None:
         if _distributed_is_initialized():
             self._close_async_writer()  # the last checkpoint is complete before the run ends
-        if isinstance(self.model, (DistributedDataParallel, _StepWrapper)):
+        if isinstance(self.model, (DistributedDataParallel, StepWrapper)):
             self.model = self.lightning_module
         assert self.cluster_environment is not None and self.accelerator is not None
         # Lightning's ``Strategy.teardown`` minus its ``lightning_module.cpu()`` (as Lightning's own

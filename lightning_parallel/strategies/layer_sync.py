@@ -5,7 +5,7 @@ plugin, or the user's own ``LayerSync``); its DDP and FSDP strategies call ``app
 model, which swaps in ``torch.nn.SyncBatchNorm`` over the whole world. Here the statistics must
 span the data-parallel ranks only (tensor and pipeline peers see the same samples), and torch's
 module refuses CPU inputs, so the built-in plugin is replaced by
-:func:`~lightning_parallel.parallel.sync_batchnorm.convert_sync_batchnorm` over the ``dp`` group;
+:func:`~lightning_parallel.parallel.data.sync_batchnorm.convert_sync_batchnorm` over the ``dp`` group;
 a user's own plugin is applied as Lightning would.
 
 Without the flag each data-parallel rank normalises with its own batch's statistics (as under
@@ -23,7 +23,7 @@ from torch import nn
 
 from lightning_parallel.errors import config_error
 from lightning_parallel.parallel.dims import DP, ParallelDims
-from lightning_parallel.parallel.sync_batchnorm import convert_sync_batchnorm, uses_batchnorm
+from lightning_parallel.parallel.data.sync_batchnorm import convert_sync_batchnorm, uses_batchnorm
 
 
 def check_layer_sync(layer_sync: LayerSync | None, dims: ParallelDims, module: nn.Module | None) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
-from lightning_parallel.parallel.data_parallel import _DTYPES
+from lightning_parallel.parallel.data.apply import _DTYPES
 from lightning_parallel.parallel.dims import check_degree
 from lightning_parallel.errors import config_error
 
@@ -188,7 +188,7 @@ def validate_more_options(
     """The options that do not depend on the world size and that ``validate_options`` leaves out:
     checked in ``__init__`` too, so that a typo fails at construction (not when the first batch
     reaches a pipeline, or never, when no pipeline is used and the option is silently ignored)."""
-    from lightning_parallel.parallel.pipeline_schedules import resolve_virtual_stages, schedule_spec
+    from lightning_parallel.parallel.pipeline.schedules import resolve_virtual_stages, schedule_spec
 
     spec = schedule_spec(pipeline_schedule)
     _check_auto_or_positive_int("microbatches", microbatches, "4")

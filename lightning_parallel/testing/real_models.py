@@ -1,10 +1,9 @@
 """Real library models wrapped the way their users wrap them, for the model x strategy matrix.
 
 Evidence that a strategy handles "any LightningModule" has to come from the library classes
-themselves, not from look-alikes: these modules build ``transformers`` and ``torchvision``
-classes from tiny random configs (offline, nothing downloaded) and wrap them in a plain
-LightningModule that knows nothing of parallelism. Each wrapper is written as a Hugging Face or
-torchvision user writes it:
+themselves, not from look-alikes: these modules build ``transformers`` classes from tiny random
+configs (offline, nothing downloaded) and wrap them in a plain LightningModule that knows nothing
+of parallelism. Each wrapper is written as a Hugging Face user writes it:
 
 * ``HFCausalLM``: ``self.model = AutoModelForCausalLM.from_config(...)``-style construction,
   default config flags kept (``use_cache=True``, tied embeddings where the family ties them),
@@ -12,9 +11,12 @@ torchvision user writes it:
   from ``self.model(input_ids=x, labels=x).loss`` inside ``training_step`` (a submodule call,
   the most common HF pattern); ``padding=True`` feeds an ``attention_mask`` with left padding
   and ``-100`` labels on the padded positions.
-* ``VisionClassifier``: torchvision ``resnet18`` (BatchNorm) or a ``vit_b_16``-style
-  ``VisionTransformer`` (``nn.MultiheadAttention`` with its fused ``in_proj_weight``), with
-  ``F.cross_entropy`` on the logits.
+* ``VisionClassifier``: transformers' ``ResNetForImageClassification`` (a ResNet-18 layout of
+  basic blocks, convolutions and BatchNorm) or ``ViTForImageClassification``, with
+  ``F.cross_entropy`` on the logits. The vision models are transformers' own: torchvision's PyPI
+  wheels are CUDA builds whose C extension does not load beside a CPU build of torch, and this
+  package patches no other library's import to make them load (a GPU user installs the
+  torchvision release built for their torch, e.g. 0.28 for torch 2.13).
 
 Dropout is set to zero in every config: parity with one process needs the same random
 stream per element, which no layout that moves elements between ranks can give.
@@ -29,8 +31,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.data import TensorDataset
-
-from lightning_parallel._torchvision_compat import ensure_torchvision_importable
 
 VOCAB = 64
 
@@ -138,30 +138,32 @@ def padded_token_data(num_samples: int = 128, block_size: int = 16, vocab_size: 
 
 
 def build_vision_model(arch: str, num_classes: int = 10) -> nn.Module:
-    """torchvision's ``resnet18`` (unchanged, BatchNorm) or a ``vit_b_16``-style ViT sized for
-    32x32 inputs (the same ``VisionTransformer`` class; ``vit_b_16`` is this class at 224/16/12/768)."""
-    ensure_torchvision_importable()
-    from torchvision.models import resnet18
-    from torchvision.models.vision_transformer import VisionTransformer
+    """transformers' ResNet (``"resnet"``: ResNet-18's block layout, basic blocks [2, 2, 2, 2],
+    BatchNorm, narrow for 32x32 inputs) or ViT (``"vit"``: 4 layers, 4 heads, width 32, 8x8 patches)."""
+    import transformers
 
-    if arch == "resnet18":
-        return resnet18(num_classes=num_classes)
+    if arch == "resnet":
+        config = transformers.ResNetConfig(num_channels=3, embedding_size=16, hidden_sizes=[16, 32, 64, 128],
+                                           depths=[2, 2, 2, 2], layer_type="basic", num_labels=num_classes)
+        return transformers.ResNetForImageClassification(config)
     if arch == "vit":
-        return VisionTransformer(image_size=32, patch_size=8, num_layers=4, num_heads=4, hidden_dim=32, mlp_dim=64,
-                                 num_classes=num_classes)
-    raise ValueError(f"arch={arch!r} must be 'resnet18' or 'vit'")
+        config = transformers.ViTConfig(image_size=32, patch_size=8, num_hidden_layers=4, num_attention_heads=4,
+                                        hidden_size=32, intermediate_size=64, num_labels=num_classes,
+                                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        return transformers.ViTForImageClassification(config)
+    raise ValueError(f"arch={arch!r} must be 'resnet' or 'vit'")
 
 
 class VisionClassifier(pl.LightningModule):
-    """A torchvision classifier in a plain LightningModule: cross-entropy on ``self(x)``, SGD."""
+    """A transformers image classifier in a plain LightningModule: cross-entropy on ``self(x)``, SGD."""
 
-    def __init__(self, arch: str = "resnet18", num_classes: int = 10, lr: float = 0.1) -> None:
+    def __init__(self, arch: str = "resnet", num_classes: int = 10, lr: float = 0.1) -> None:
         super().__init__()
         self.lr = lr
         self.model = build_vision_model(arch, num_classes)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.model(x)
+        return self.model(pixel_values=x).logits
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         x, y = batch

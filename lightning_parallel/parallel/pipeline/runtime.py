@@ -1,0 +1,330 @@
+"""Pipeline parallelism for an unchanged ``nn.Module``: build this rank's stages and run their schedules.
+
+Tracing and cutting live in :mod:`~lightning_parallel.parallel.pipeline.trace`.
+
+The model's own ``forward`` is traced by ``torch.distributed.pipelining``'s tracer frontend
+(``torch.export`` + ``pipe_split`` markers at the plan's split points), so no model code
+changes and parameter names (FQNs) stay the original ones. Facts this file relies on:
+
+* The traced graph fixes the microbatch shape and the train/eval mode, so a training pipe and
+  a forward-only evaluation pipe are traced separately, and batches must keep one size.
+* The stage modules are meant to share the ``Parameter`` objects of the original module, so an
+  optimizer built from ``module.parameters()`` (``configure_optimizers`` as written) steps the
+  stages. ``torch.export`` breaks this for tied weights (it hands the stages copies), so every
+  stage tensor is re-pointed at the original object by its FQN.
+* Marking a split point patches a submodule's ``forward``; the patch is undone after tracing,
+  else a second trace of the same module recurses.
+* MoE layers (data-dependent dispatch shapes) are traced as one opaque op each and run eagerly
+  inside the stage (:mod:`~lightning_parallel.parallel.pipeline.moe`).
+* Gradients accumulate in ``.grad`` and are never rescaled after the fact: the loss of each
+  microbatch is divided by the microbatch count instead, so gradients survive across steps
+  (gradient accumulation) and a parameter held by two local stages is not divided twice.
+* A parameter used on stages of two ranks (tied embedding and head) gets each rank's share
+  of the gradient; :meth:`PipelineRuntime.train_step` sums the new shares over the pipeline
+  group, so every holder ends the step with the full gradient.
+
+Errors about the model or the config are raised while tracing and building, identically on
+every rank, before any process sends or receives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+import torch.utils.checkpoint
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from lightning_parallel.compat import GraphPipelineStage as _PipelineStage, schedule_stages
+from lightning_parallel.parallel.clip import total_norm
+from lightning_parallel.parallel.errors import config_error
+from lightning_parallel.parallel.pipeline.codegen import lean_stage_code
+from lightning_parallel.parallel.pipeline.plan import PipelinePlan
+from lightning_parallel.parallel.pipeline.tensor import full_value, local_part
+from lightning_parallel.parallel.pipeline.schedules import (
+    ScheduleSpec,
+    build_eval_schedule,
+    build_schedule,
+    build_stage,
+    check_batch_size,
+    check_microbatches,
+    first_batched,
+)
+from lightning_parallel.parallel.pipeline.trace import TracedPipeline, trace_pipeline
+
+LossFn = Callable[[Any, Any], Tensor]
+
+
+def _pp_group(group: dist.ProcessGroup | DeviceMesh | None) -> dist.ProcessGroup:
+    if isinstance(group, DeviceMesh):
+        if group.ndim != 1:
+            raise config_error(ValueError, "group", group, "the pipeline runs on a 1D mesh", "pass ParallelDims.axis(PP)")
+        return group.get_group()
+    return group if group is not None else dist.group.WORLD  # type: ignore[return-value]
+
+
+class PipelineRuntime:
+    """This rank's stages and schedules; the one object a strategy talks to.
+
+    Every rank of the pipeline group calls the same methods with the same (full) batch: the
+    runtime validates it everywhere, then feeds it to the first stage and the target to the
+    last. ``target`` defaults to the row indices ``arange(B)`` (a CPU tensor), so a ``loss_fn(output, rows)``
+    can look the rest of the batch up itself (how a LightningModule's ``training_step`` serves
+    as the loss).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        plan: PipelinePlan,
+        spec: ScheduleSpec,
+        group: dist.ProcessGroup,
+        microbatches: int,
+        microbatch_size: int,
+        train_stages: list[Any],
+        eval_stages: list[Any] | None,
+        loss_fn: LossFn,
+        loss_reduction: Literal["mean", "sum"],
+        holders: dict[str, set[int]],
+        used_anywhere: frozenset[int] | None = None,
+    ) -> None:
+        self.module, self.plan, self.spec, self.group = module, plan, spec, group
+        self._used_anywhere = used_anywhere  # ids of tensors some stage (of any rank) uses; None: all
+        self.microbatches, self.microbatch_size = microbatches, microbatch_size
+        self.pp_rank = dist.get_rank(group)
+        self.stage_indices = plan.stages_for_rank(self.pp_rank)
+        self.holds_first = 0 in self.stage_indices
+        self.holds_last = plan.num_stages - 1 in self.stage_indices
+        self._last_rank = dist.get_global_rank(group, plan.stages[-1].rank)
+        self._loss_fn, self._reduction = loss_fn, loss_reduction
+        # Loss scaling (16-mixed): multiplies what the schedule backpropagates, e.g. a GradScaler's
+        # ``scale``; the losses reported by ``train_step`` stay unscaled.
+        self.loss_scale: Callable[[Tensor], Tensor] | None = None
+        self._mb_losses: list[Tensor] = []
+        self._train = build_schedule(spec, train_stages, microbatches, self._scaled_loss)
+        self._eval = build_eval_schedule(spec, eval_stages, microbatches, [s.rank for s in plan.stages]) if eval_stages else None
+        self._holders = holders  # canonical FQN -> pipeline ranks whose stages use it
+        params = dict(module.named_parameters())
+        self._owned = {n for n, ranks in holders.items() if self.pp_rank in ranks}
+        self._shared = sorted(n for n, ranks in holders.items() if len(ranks) > 1)
+        self._shared_meta = {n: (params[n].shape, params[n].dtype, params[n].device) for n in self._shared}
+        self.last_losses: list[Tensor] = []
+        self.released: dict[str, torch.Size] = {}
+        self._code_final = False  # see finalize_code
+
+    @property
+    def stages(self) -> list[_PipelineStage]:
+        """This rank's training stages (``.submod`` is the stage module; for wrapping or profiling)."""
+        return schedule_stages(self._train)
+
+    # ownership -------------------------------------------------------------------------------
+    def owned_parameter_names(self) -> set[str]:
+        """Canonical FQNs (as ``module.named_parameters()`` spells them) this rank's stages use."""
+        return set(self._owned)
+
+    def owners(self) -> dict[str, set[int]]:
+        """Canonical FQN -> pipeline ranks holding it; a checkpoint gathers each from its owner."""
+        return {n: set(r) for n, r in self._holders.items()}
+
+    def owned_parameters(self) -> list[nn.Parameter]:
+        """The parameters to optimise on this rank (the others never receive a gradient here)."""
+        return [p for n, p in self.module.named_parameters() if n in self._owned]
+
+    def release_non_owned(self) -> dict[str, torch.Size]:
+        """Free the memory of parameters and buffers no local stage uses; return their names and shapes.
+
+        The tensors stay the same objects under the same FQNs (an optimizer built before or
+        after still works: their ``.grad`` stays ``None``, so optimizers skip them), but their
+        data becomes an empty tensor on the same device, so moving the module between devices
+        stays legal. Their values now live only on their owners: gather from :meth:`owners`
+        before saving a full checkpoint. A tensor that no stage of any rank uses (a Hugging
+        Face rotary embedding's ``original_inv_freq``, kept for dynamic rope scaling) stays on
+        every rank: releasing it everywhere would lose it from checkpoints.
+        """
+        used = {id(t) for s in self.stage_modules() for t in (*s.parameters(), *s.buffers())}
+        if self._used_anywhere is not None:
+            used |= {id(t) for t in (*self.module.parameters(), *self.module.buffers())} - self._used_anywhere
+        # (meta tensors of a model built on the meta device have no storage: every data_ptr() is 0)
+        kept = {t.untyped_storage().data_ptr() for s in self.stage_modules() for t in (*s.parameters(), *s.buffers()) if not t.is_meta}
+        released: dict[str, torch.Size] = {}
+        with torch.no_grad():
+            for name, tensor in (*self.module.named_parameters(), *self.module.named_buffers()):
+                if id(tensor) in used or tensor.numel() == 0 or tensor.untyped_storage().data_ptr() in kept:
+                    continue  # in use here, already released, or a view of a tensor in use
+                released[name] = tensor.shape
+                tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+        self.released.update(released)
+        return released
+
+    def stage_modules(self) -> list[nn.Module]:
+        """Every local stage module, training and evaluation (they share the parameters)."""
+        return self.stages_submodules(train=True) + self.stages_submodules(train=False)
+
+    def stages_submodules(self, train: bool) -> list[nn.Module]:
+        """The local training (or evaluation) stage modules, in stage order."""
+        schedule = self._train if train else self._eval
+        if schedule is None:
+            return []
+        return [s.submod for s in schedule_stages(schedule)]
+
+    # steps ---------------------------------------------------------------------------------------
+    def _scaled_loss(self, output: Any, target: Any) -> Tensor:
+        loss = self._loss_fn(output, target)
+        if not isinstance(loss, Tensor) or loss.numel() != 1:
+            raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__} {getattr(loss, 'shape', '')}")
+        self._mb_losses.append(loss.detach())
+        loss = loss / self.microbatches if self._reduction == "mean" else loss
+        return self.loss_scale(loss) if self.loss_scale is not None else loss
+
+    def _inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
+        first = first_batched(args, kwargs)
+        check_batch_size(int(first.shape[0]), self.microbatches, self.microbatch_size)
+        if target is None:
+            # On the host whatever the batch's device: the loss reads each microbatch's rows as
+            # Python ints (slice_batch), which on a CUDA tensor would be two syncs per microbatch.
+            target = torch.arange(first.shape[0])
+        if not self.holds_first:
+            args, kwargs = (), {}
+        return args, kwargs, target if self.holds_last else None
+
+    def finalize_code(self) -> tuple[int, int]:
+        """Inline the stages' submodule calls and call operators through torch's Python bindings
+        (:mod:`lightning_parallel.parallel.pipeline.codegen`), once: after tensor and expert parallelism have changed the stages
+        (their hooks keep a call in place) and before ZeRO wraps them (the pipeline driver calls it
+        there), or at the first step. Returns (calls inlined, operator calls rebound); (0, 0) after
+        the first time."""
+        if self._code_final:
+            return 0, 0
+        self._code_final = True
+        return lean_stage_code(self.stage_modules())
+
+    def train_step(self, *args: Any, target: Any = None, broadcast_loss: bool = True, **kwargs: Any) -> Tensor:
+        """Forward and backward of one batch through the pipeline; returns the full-batch loss on every rank
+        (``broadcast_loss=False``: on the last stage's rank only, zero elsewhere, for a caller that
+        sends it with something else in one collective).
+
+        Gradients are added to ``.grad`` (nothing is zeroed), as one ``loss.backward()`` would.
+        """
+        self.finalize_code()
+        args, kwargs, target = self._inputs(args, kwargs, target)
+        params = dict(self.module.named_parameters())
+        before = {n: (None if params[n].grad is None else params[n].grad.clone()) for n in self._shared if n in self._owned}
+        self._mb_losses = []
+        self._train.step(*args, target=target, return_outputs=False, **kwargs)
+        self._sum_shared_grads(params, before)
+        self.last_losses = list(self._mb_losses)
+        device = self.stages[0].device  # the device the group's backend serves (NCCL rejects CPU tensors)
+        loss = torch.zeros((), dtype=torch.float32, device=device)
+        if self.holds_last:
+            stacked = torch.stack([l.detach().float().to(device) for l in self._mb_losses])
+            loss = stacked.mean() if self._reduction == "mean" else stacked.sum()
+        if broadcast_loss:
+            dist.broadcast(loss, src=self._last_rank, group=self.group)
+        return loss
+
+    def _sum_shared_grads(self, params: dict[str, nn.Parameter], before: dict[str, Tensor | None]) -> None:
+        for name in self._shared:
+            shape, dtype, device = self._shared_meta[name]
+            delta = torch.zeros(shape, dtype=dtype, device=device)
+            grad = params[name].grad
+            if name in before and grad is not None:
+                delta = grad - before[name] if before[name] is not None else grad.clone()
+                delta = full_value(delta)  # tensor-parallel stages: the whole tensor crosses the pipeline
+            dist.all_reduce(delta, group=self.group)
+            if name in before:
+                param = params[name]
+                if isinstance(param, DTensor):
+                    delta = distribute_tensor(delta, param.device_mesh, param.placements, src_data_rank=None)
+                param.grad = delta if before[name] is None else before[name] + delta
+
+    @torch.no_grad()
+    def eval_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Forward only (eval-mode trace); the merged full-batch output on the last stage's rank, else None."""
+        if self._eval is None:
+            raise RuntimeError("This pipeline was built without an evaluation pipe (build_eval=False).")
+        self.finalize_code()
+        args, kwargs, _ = self._inputs(args, kwargs, None)
+        return self._eval.step(*args, **kwargs)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
+        """Clip by the norm of all gradients of the whole model, computed across the stages.
+
+        A parameter on two ranks' stages counts once (on the lowest rank holding it).
+        """
+        params = dict(self.module.named_parameters())
+        # Sorted: the norm reduces per group of gradients, in the same order on every rank (a set's
+        # order follows per-process string hashing, and two groups over the same ranks would mix).
+        counted = [params[n] for n in sorted(self._owned) if min(self._holders[n]) == self.pp_rank]
+        # A rank may count no parameter (all held lower, or frozen): its zero goes where the others' norms are.
+        device = next((p.device for p in params.values()), self.stages[0].device)
+        norm = total_norm(counted, norm_type, extra_groups=(self.group,), device=device)
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for name in self._owned:
+            if params[name].grad is not None:
+                local_part(params[name].grad).mul_(coef.to(params[name].grad.device))
+        return norm
+
+    def describe(self) -> str:
+        """The plan's table plus what this rank actually holds."""
+        return f"{self.plan.table()}\nrank {self.pp_rank}: stages {self.stage_indices}, {len(self._owned)} parameters owned"
+
+
+def build_pipeline(
+    module: nn.Module,
+    example_args: tuple[Any, ...] | None = None,
+    example_kwargs: dict[str, Any] | None = None,
+    *,
+    plan: PipelinePlan,
+    schedule: ScheduleSpec,
+    microbatches: int,
+    loss_fn: LossFn,
+    group: dist.ProcessGroup | DeviceMesh | None = None,
+    device: torch.device | str | None = None,
+    loss_reduction: Literal["mean", "sum"] = "mean",
+    build_eval: bool = True,
+    traced: TracedPipeline | None = None,
+    checkpoint_blocks: Sequence[str] = (),
+) -> PipelineRuntime:
+    """Build this rank's stages and schedules for ``module`` (traced here unless ``traced`` is given).
+
+    ``example_args``/``example_kwargs`` are one full batch of forward inputs (every later batch
+    must have the same shapes). ``loss_fn(output, target)`` runs on the last stage per
+    microbatch, ``output`` being what the model's forward returns for that microbatch.
+    Collective-free until the schedules first run, and every check happens before that.
+    """
+    pg = _pp_group(group)
+    if dist.get_world_size(pg) != plan.pp_size:
+        raise config_error(ValueError, "pipeline_parallel_size", plan.pp_size, f"the pipeline group has {dist.get_world_size(pg)} ranks", "plan with the pipeline group's size")
+    if loss_reduction not in ("mean", "sum"):
+        raise config_error(ValueError, "loss_reduction", loss_reduction, 'it is "mean" or "sum"', 'use "mean" for a loss averaged over the batch')
+    check_microbatches(schedule, plan.pp_size, plan.virtual_stages, microbatches)
+    if plan.style != schedule.style or (schedule.style == "single") != (plan.virtual_stages == 1):
+        raise config_error(
+            ValueError, "virtual_stages", plan.virtual_stages, f"a {plan.style} plan does not fit schedule {schedule.name!r} ({schedule.style})", "plan with style=schedule.style and its virtual stages"
+        )
+    if traced is None:
+        if example_args is None:
+            raise config_error(TypeError, "example_args", None, "tracing needs one example batch of forward inputs", "pass example_args (or a TracedPipeline as traced=)")
+        traced = trace_pipeline(module, example_args, example_kwargs, plan=plan, microbatches=microbatches, build_eval=build_eval,
+                                checkpoint_blocks=checkpoint_blocks)
+    elif traced.plan.split_points != plan.split_points:
+        raise config_error(ValueError, "traced", list(traced.plan.split_points), f"it was cut at other split points than the plan ({list(plan.split_points)})", "trace with this plan")
+    if build_eval and traced.eval is None:
+        raise config_error(ValueError, "build_eval", True, "the given trace has no evaluation pipe", "trace with build_eval=True")
+    dev = torch.device(device) if device is not None else next(module.parameters()).device
+    local = plan.stages_for_rank(dist.get_rank(pg))
+    holders: dict[str, set[int]] = {}
+    for k, names in enumerate(traced.holders_by_stage):
+        for name in names:
+            holders.setdefault(name, set()).add(plan.stages[k].rank)
+    train_stages = [build_stage(traced.train, k, dev, pg) for k in local]
+    eval_stages = [build_stage(traced.eval, k, dev, pg) for k in local] if build_eval and traced.eval is not None else None
+    return PipelineRuntime(
+        module, plan, schedule, pg, microbatches, traced.microbatch_size, train_stages, eval_stages, loss_fn, loss_reduction, holders,
+        traced.used_anywhere,
+    )

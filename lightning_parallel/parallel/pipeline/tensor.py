@@ -1,0 +1,304 @@
+"""Tensor parallelism inside pipeline stages (tp x pp): DTensor parameters in the traced graphs.
+
+Why not :func:`~lightning_parallel.parallel.tensor.apply.apply_tensor_parallel` first and
+then the pipeline split: the split traces ``forward`` with ``torch.export``, which rejects
+DTensor parameters. So the order is the documented one, pipeline split -> tensor parallel, and
+tensor parallelism is applied to what the split produced: each stage's traced graph.
+
+A traced graph no longer has ``nn.Linear`` modules to wrap with ``ColwiseParallel``; it has
+aten ops on parameters that keep their original names. So the plan (module -> style, from
+:mod:`~lightning_parallel.parallel.tensor.plan`, the same one ``tp`` uses) becomes a placement per
+parameter, the one eager ``tp`` gives it (column-parallel weight and bias: ``Shard(0)``, a
+``Conv1D``'s transposed weight ``Shard(1)``, a packed ``[q | k | v]`` / ``[gate | up]`` output
+``_StridedShard``; row-parallel weight: ``Shard(1)``; vocabulary-parallel embedding:
+``Shard(0)``), every such parameter becomes a DTensor on the
+tensor-parallel mesh, and the stage graph runs as it was traced, in DTensor's global
+semantics: a column-parallel matmul yields a feature-sharded activation, the traced reshapes
+with the global head count stay sharded along the heads, the row-parallel matmul yields a
+``Partial`` sum that is all-reduced where a replicated value is needed (Megatron's pattern,
+found by DTensor's sharding propagation instead of being written down). Plain tensors the graph
+meets (the stage inputs, a replicated norm weight, masks) join as replicated DTensors (see
+:class:`~lightning_parallel.parallel.tensor.attention.ReplicateMixedMode`); on CPU attention uses
+the math kernel, which DTensor can shard. A stage's outputs leave as full plain tensors, so
+what crosses a pipeline cut (and what the loss sees) is exactly what a single process computes.
+
+One rewrite of the graphs: ``torch.export`` drops a ``.contiguous()`` that was a no-op for the
+kernel seen while tracing (``y.transpose(1, 2).contiguous().view(B, T, C)`` after the CPU flash
+attention), so the graph's ``view`` then fails on the math kernel's strides. Every traced
+``aten.view`` becomes ``aten.reshape``: the same values, a copy only where a view is impossible.
+
+The new parameters are new objects: :func:`swap_optimizer_parameters` points optimizers built
+before (Lightning builds them in ``setup``, the stages are traced from the first batch) at them,
+distributing any state they already hold (a restored checkpoint) the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor, fx, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, distribute_tensor
+from torch.distributed.tensor.experimental import implicit_replication
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.optim import Optimizer
+
+from lightning_parallel.compat import AsyncCollectiveTensor, assert_tensor_metadata_op, tree_map
+from lightning_parallel.parallel.errors import config_error
+from lightning_parallel.parallel.tensor.apply import _grad_to_param_layout
+from lightning_parallel.parallel.tensor.attention import ReplicateMixedMode, full_value
+from lightning_parallel.parallel.tensor.fused import packed_placement
+from lightning_parallel.parallel.tensor.plan import TensorParallelPlan
+from lightning_parallel.parallel.tensor.shards import plan_param_shard
+
+
+def parameter_placements(module: nn.Module, plan: TensorParallelPlan) -> dict[str, list[Placement]]:
+    """Canonical parameter FQN -> its placements on the tensor-parallel mesh, for every sharded parameter.
+
+    A parameter tied between two planned modules must get one placement from both.
+    """
+    canonical = {id(p): n for n, p in module.named_parameters()}
+    out: dict[str, list[Placement]] = {}
+    for mod_name, style in plan.styles.items():
+        for local, param in module.get_submodule(mod_name).named_parameters(recurse=False):
+            # The same (dim, parts) as eager tensor parallelism: Conv1D's transposed weight, and
+            # _StridedShard for a packed output ([q | k | v], [gate | up]) so each rank holds its
+            # slice of every part and the traced head reshapes stay local.
+            shard = plan_param_shard(plan, module, mod_name, local)
+            if shard is None:
+                continue
+            name = canonical[id(param)]
+            placement: list[Placement] = [packed_placement(shard[0], shard[1], param.ndim)]
+            if name in out and out[name] != placement:
+                raise config_error(
+                    ValueError, "tp_plan", f"{mod_name}: {style}",
+                    f"parameter `{name}` is shared by modules the plan splits along different dims ({out[name]} and {placement})",
+                    "give tied modules styles that split the tied weight the same way (e.g. embedding_rowwise with colwise_gather_output)",
+                )
+            out[name] = placement
+    return out
+
+
+class TensorParallelStageForward:
+    """Replaces a stage module's ``forward``: run the traced graph in DTensor semantics, return plain tensors.
+
+    An object rather than a closure so that the wrapped module stays picklable and inspectable.
+    """
+
+    def __init__(self, module: nn.Module, mesh: DeviceMesh) -> None:
+        self.original = module.forward
+        self.force_math = mesh.device_type == "cpu"  # no DTensor rule for the CPU flash kernel
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs = tree_map(_settled, (args, kwargs))
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(ReplicateMixedMode())
+            stack.enter_context(implicit_replication())
+            if self.force_math:
+                stack.enter_context(sdpa_kernel(SDPBackend.MATH))
+            out = self.original(*args, **kwargs)
+        return tree_map(lambda v: _settled(full_value(v)), out)
+
+
+class _Settle(torch.autograd.Function):
+    """Identity whose output, and whose gradient, are finished tensors.
+
+    DTensor collectives return ``AsyncCollectiveTensor`` wrappers that wait on first use by an
+    op. What crosses a cut goes to the pipeline's point-to-point sends and receive buffers,
+    which are not ops on the wrapper; finishing the collective here, before that, is a
+    precaution that costs nothing: a stage output (forward) and the gradient of a stage input
+    (backward) are always finished tensors.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        return _wait(x).view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        return _wait(grad)
+
+
+def _wait(x: Tensor) -> Tensor:
+    return x.wait() if isinstance(x, AsyncCollectiveTensor) else x
+
+
+def _settled(value: Any) -> Any:
+    if isinstance(value, Tensor) and not isinstance(value, DTensor):
+        return _Settle.apply(value) if value.requires_grad else _wait(value)
+    return value
+
+
+def local_part(tensor: Tensor) -> Tensor:
+    """What this rank stores of ``tensor``: the local shard of a DTensor, the tensor itself otherwise."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def retarget_calls(module: nn.Module, targets: dict[Any, Any]) -> int:
+    """In every traced graph under ``module``, make each ``call_function`` of a key of ``targets``
+    call its value instead (same arguments); recompile what changed and return the count."""
+    changed = 0
+    for sub in module.modules():
+        graph = getattr(sub, "graph", None)
+        if not isinstance(graph, fx.Graph):
+            continue
+        count = 0
+        for node in graph.nodes:
+            if node.op == "call_function" and node.target in targets:
+                node.target = targets[node.target]
+                count += 1
+        if count:
+            _recompile(sub)
+        changed += count
+    return changed
+
+
+def _recompile(sub: nn.Module) -> None:
+    if isinstance(sub, fx.GraphModule):
+        sub.recompile()
+    elif callable(getattr(sub, "finalize", None)):  # torch.export's InterpreterModule
+        sub.finalize()
+
+
+def drop_metadata_asserts(module: nn.Module) -> int:
+    """Remove the ``aten._assert_tensor_metadata`` checks ``torch.export`` records for ``.to(dtype)``
+    calls (Hugging Face norms and rotary embeddings); return how many.
+
+    Why: they check what the trace already fixed and return nothing, and DTensor has no sharding
+    rule for them, so a tensor-parallel stage would fail on the first one.
+    """
+    dropped = 0
+    for sub in module.modules():
+        graph = getattr(sub, "graph", None)
+        if not isinstance(graph, fx.Graph):
+            continue
+        asserts = [n for n in graph.nodes if n.op == "call_function" and n.target is assert_tensor_metadata_op() and not n.users]
+        for node in asserts:
+            graph.erase_node(node)
+        if asserts:
+            _recompile(sub)
+        dropped += len(asserts)
+    return dropped
+
+
+def _reduced(x: Any) -> Any:
+    """A pending (``Partial``) DTensor reduced to replicated; anything else as it is."""
+    if isinstance(x, DTensor) and any(p.is_partial() for p in x.placements):
+        replicate = [Replicate()] * x.device_mesh.ndim
+        # Through a local tensor: the gradient arriving here may itself be a pending sum, which
+        # redistribute's backward cannot turn into the embedding's masked partial; from_local's
+        # backward first makes it replicated, as a module's output hook does in eager tensor parallelism.
+        return DTensor.from_local(x.redistribute(x.device_mesh, replicate).to_local(), x.device_mesh, replicate, run_check=False)
+    return x
+
+
+def reduce_embedding_outputs(module: nn.Module) -> int:
+    """Reduce every traced ``aten.embedding`` output right where it is computed; return how many.
+
+    Why: a vocabulary-parallel embedding yields a masked partial sum whose mask lives only until
+    the next op; ``ColwiseParallel``/``RowwiseParallel`` modules reduce it in their output hook,
+    but a traced graph has no hooks, and a Hugging Face model's next op (``.to(float32)`` in the
+    first norm) would carry the partial on without its mask. Replicated embeddings pass unchanged.
+    """
+    changed = 0
+    for sub in module.modules():
+        graph = getattr(sub, "graph", None)
+        if not isinstance(graph, fx.Graph):
+            continue
+        nodes = [n for n in graph.nodes if n.op == "call_function" and n.target is torch.ops.aten.embedding.default]
+        for node in nodes:
+            with graph.inserting_after(node):
+                reduced = graph.call_function(_reduced, (node,))
+            node.replace_all_uses_with(reduced, delete_user_cb=lambda user, r=reduced: user is not r)
+        if nodes:
+            _recompile(sub)
+        changed += len(nodes)
+    return changed
+
+
+def views_to_reshapes(module: nn.Module) -> int:
+    """Turn every ``aten.view`` of the traced graphs under ``module`` into ``aten.reshape``; return how many."""
+    return retarget_calls(module, {torch.ops.aten.view.default: torch.ops.aten.reshape.default})
+
+
+def replace_parameters(roots: Iterable[nn.Module], replaced: dict[int, nn.Parameter]) -> None:
+    """Register ``replaced[id(old)]`` wherever ``old`` is registered under ``roots`` (same names, ties kept)."""
+    for root in roots:
+        for sub in root.modules():
+            for key, tensor in list(sub._parameters.items()):
+                if tensor is not None and id(tensor) in replaced:
+                    sub._parameters[key] = replaced[id(tensor)]
+
+
+def apply_stage_tensor_parallel(
+    module: nn.Module,
+    stage_modules: Iterable[nn.Module],
+    owned: set[str],
+    tp_mesh: DeviceMesh,
+    plan: TensorParallelPlan,
+) -> dict[nn.Parameter, nn.Parameter]:
+    """Shard this rank's stage parameters over ``tp_mesh`` by ``plan``; return old -> new parameter.
+
+    ``owned``: the canonical FQNs the local stages use (the rest were released and stay as they
+    are). Every tensor-parallel peer holds the same full values (same seed or same checkpoint),
+    so each keeps its slice without communicating. The new parameters replace the old ones
+    under the same names in ``module`` and in every stage module.
+    """
+    if tp_mesh.ndim != 1 or tp_mesh.size() != plan.tp_size:
+        raise config_error(
+            ValueError, "tp_mesh", tp_mesh, f"must be a 1-D mesh of plan.tp_size={plan.tp_size} ranks", "pass ParallelDims.axis(TP)"
+        )
+    stage_modules = list(stage_modules)
+    placements = parameter_placements(module, plan)
+    replaced: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
+    for name, param in module.named_parameters():
+        if name not in owned or name not in placements:
+            continue
+        local = distribute_tensor(param.detach(), tp_mesh, placements[name], src_data_rank=None)
+        new = nn.Parameter(local, requires_grad=param.requires_grad)
+        if new.requires_grad:
+            new.register_post_accumulate_grad_hook(_grad_to_param_layout)
+        replaced[id(param)] = (param, new)
+    replace_parameters([module, *stage_modules], {key: new for key, (_, new) in replaced.items()})
+    for stage_module in stage_modules:
+        if not isinstance(stage_module.__dict__.get("forward"), TensorParallelStageForward):
+            views_to_reshapes(stage_module)
+            drop_metadata_asserts(stage_module)
+            reduce_embedding_outputs(stage_module)
+            stage_module.forward = TensorParallelStageForward(stage_module, tp_mesh)  # type: ignore[method-assign]
+    return dict(replaced.values())
+
+
+@torch.no_grad()
+def swap_optimizer_parameters(optimizers: Iterable[Optimizer], mapping: dict[nn.Parameter, nn.Parameter]) -> None:
+    """Point ``optimizers`` at the new parameters; state tensors shaped like the parameter follow its layout."""
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            group["params"] = [mapping.get(p, p) for p in group["params"]]
+        for old, new in mapping.items():
+            if old not in optimizer.state:
+                continue
+            state = optimizer.state.pop(old)
+            for key, value in state.items():
+                if isinstance(value, Tensor) and isinstance(new, DTensor) and value.shape == old.shape and value.dim() > 0:
+                    # Already laid out (tensor-parallel state meeting ZeRO's new parameters): from the whole value.
+                    whole = full_value(value) if isinstance(value, DTensor) else value
+                    state[key] = distribute_tensor(whole, new.device_mesh, new.placements, src_data_rank=None)
+            optimizer.state[new] = state
+
+
+__all__ = [
+    "TensorParallelStageForward",
+    "apply_stage_tensor_parallel",
+    "full_value",
+    "local_part",
+    "parameter_placements",
+    "replace_parameters",
+    "retarget_calls",
+    "swap_optimizer_parameters",
+    "views_to_reshapes",
+    "drop_metadata_asserts",
+]

@@ -1,0 +1,263 @@
+"""Trace an unchanged module into a ``Pipe`` cut at the plan's split points, and fix up its stages.
+
+The model's own ``forward`` is traced by ``torch.distributed.pipelining``'s tracer frontend
+(``torch.export`` + ``pipe_split`` markers), so no model code changes and parameter names stay
+the original ones. ``torch.export`` hands the stages copies of tied tensors, so every stage tensor
+is re-pointed at the original object by its FQN, and blocks the model (or the strategy's
+``activation_checkpointing``) checkpoints get their recomputation back on the traced copies.
+Errors about the model are raised here, identically on every rank, before any process communicates.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.utils.checkpoint
+from torch import fx, nn
+from torch.distributed.pipelining import Pipe, pipe_split, pipeline
+
+from lightning_parallel.compat import run_generated_code, tree_leaves
+from lightning_parallel.parallel.errors import config_error
+from lightning_parallel.parallel.pipeline.moe import hold_unit_tensors, opaque_forwards
+from lightning_parallel.parallel.pipeline.plan import PipelinePlan, _compact
+from lightning_parallel.parallel.pipeline.schedules import batch_size_of, microbatch_example
+
+
+@contextmanager
+def _split_markers(module: nn.Module, names: Sequence[str]) -> Iterator[None]:
+    """Make each named submodule call ``pipe_split()`` first; restore its ``forward`` on exit."""
+    patched: list[tuple[nn.Module, Any]] = []
+    try:
+        for name in names:
+            sub = module.get_submodule(name)
+            previous = sub.__dict__.get("forward")
+            inner = sub.forward
+
+            def forward(*args: Any, __inner: Any = inner, **kwargs: Any) -> Any:
+                pipe_split()
+                return __inner(*args, **kwargs)
+
+            sub.forward = forward  # type: ignore[method-assign]
+            patched.append((sub, previous))
+        yield
+    finally:
+        for sub, previous in reversed(patched):
+            if previous is None:
+                del sub.forward
+            else:
+                sub.forward = previous  # type: ignore[method-assign]
+
+
+def _root_cause(error: BaseException) -> str:
+    while error.__cause__ is not None:
+        error = error.__cause__
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"[:300]
+
+
+def trace_pipe(module: nn.Module, mb_args: tuple[Any, ...], mb_kwargs: dict[str, Any], plan: PipelinePlan, training: bool) -> Pipe:
+    """Trace ``module.forward`` on one microbatch in train or eval mode and cut it by ``plan``."""
+    modes = {m: m.training for m in module.modules()}
+    try:
+        module.train(training)
+        with _split_markers(module, plan.split_points), opaque_forwards(module):
+            pipe = pipeline(module, mb_args, mb_kwargs)
+    except Exception as error:  # export raises many types; all mean "cannot split this forward"
+        raise config_error(
+            ValueError,
+            "module.forward",
+            type(module).__name__,
+            f"it cannot be captured as one graph to cut into stages ({_root_cause(error)}); "
+            "data-dependent control flow (an `if` on a tensor's value) or a graph break is the usual reason",
+            "make the branch depend on shapes or config only (or use torch.cond), or use a strategy without pipeline parallelism",
+        ) from error
+    finally:
+        for m, mode in modes.items():
+            m.training = mode
+    if pipe.num_stages != plan.num_stages:
+        raise config_error(
+            ValueError,
+            "split_points",
+            list(plan.split_points),
+            f"the traced forward has {pipe.num_stages} stages instead of {plan.num_stages}: "
+            "each split point must be called exactly once per forward",
+            "choose modules that forward calls once each, in order (not a module it skips or reuses)",
+        )
+    _check_stage_graph(pipe, plan)
+    return pipe
+
+
+def _source(node: fx.Node) -> fx.Node:
+    while node.op == "call_function" and node.target is operator.getitem:
+        node = node.args[0]  # type: ignore[assignment]
+    return node
+
+
+def _check_stage_graph(pipe: Pipe, plan: PipelinePlan) -> None:
+    """Stage k may read only stage k-1's outputs (stage 0: the batch); the model output is the last stage's."""
+    graph = pipe.split_gm.graph
+    calls = [n for n in graph.nodes if n.op == "call_module"]
+    index = {n.name: i for i, n in enumerate(calls)}
+
+    def where(k: int) -> str:
+        return f"stage {k} ({_compact(plan.stages[k].modules)})"
+
+    for k, node in enumerate(calls):
+        for arg in tree_leaves((node.args, node.kwargs)):
+            if not isinstance(arg, fx.Node):
+                continue
+            src = _source(arg)
+            if src.op == "placeholder" and k > 0:
+                raise config_error(
+                    ValueError,
+                    "split_points",
+                    list(plan.split_points),
+                    f"forward input `{src.name}` is used by {where(k)}, but only stage 0 receives the batch",
+                    "use that input before the first cut only, or move the cuts after its last use",
+                )
+            if src.op == "call_module" and index[src.name] != k - 1:
+                raise config_error(
+                    ValueError,
+                    "split_points",
+                    list(plan.split_points),
+                    f"a tensor computed on {where(index[src.name])} is used on {where(k)}, skipping the stages between: "
+                    "only the inputs of a cut may cross it",
+                    "pass such tensors through every block (as block inputs/outputs), compute them inside the blocks, or cut elsewhere",
+                )
+    output = next(n for n in graph.nodes if n.op == "output")
+    for arg in tree_leaves(output.args):
+        if isinstance(arg, fx.Node) and _source(arg) is not calls[-1]:
+            raise config_error(
+                ValueError,
+                "module.forward",
+                list(plan.split_points),
+                f"forward returns a value computed before the last stage ({_source(arg).name}); only the last stage's result leaves the pipeline",
+                "return only values computed from the last block onward",
+            )
+
+
+def _adopt_original_tensors(stage_module: nn.Module, module: nn.Module) -> None:
+    """Point the stage's parameters and buffers at the original objects with the same FQN."""
+    params = dict(module.named_parameters(remove_duplicate=False))
+    buffers = dict(module.named_buffers(remove_duplicate=False))
+    for table, kind in ((params, "_parameters"), (buffers, "_buffers")):
+        for name, tensor in list(getattr(stage_module, f"named{kind}")(remove_duplicate=False)):
+            original = table.get(name)
+            if original is not None and tensor is not original:
+                parent_name, _, leaf = name.rpartition(".")
+                parent = stage_module.get_submodule(parent_name)
+                getattr(parent, kind)[leaf] = original
+
+
+def _run_generated_code(stage_module: nn.Module) -> None:
+    """Run the traced submodules' generated Python code instead of ``torch.fx.Interpreter``.
+
+    ``torch.export.unflatten`` rebuilds the module hierarchy from ``InterpreterModule``s, which
+    by default execute graph nodes one by one through an interpreter; measured against a
+    hand-written ``torch.distributed.pipelining`` loop (``benchmarks/bench_pipeline_vs_manual.py``)
+    that made a stage's forward about twice as slow. The generated code runs the same graph.
+    """
+    run_generated_code(stage_module)
+
+
+class CheckpointedForward:
+    """A traced block's ``forward`` run through its model's own checkpoint function (recomputed in backward).
+
+    Why: Hugging Face's ``gradient_checkpointing_enable()`` makes each decoder layer call
+    ``torch.utils.checkpoint`` in its ``__call__``; ``torch.export`` traces through it, so the
+    traced layer keeps its activations and the user's memory saving would silently vanish.
+    The traced layer is a pure function of its inputs, so recomputing it is exact.
+    """
+
+    def __init__(self, forward: Callable[..., Any], checkpoint: Callable[..., Any]) -> None:
+        self.inner, self.checkpoint = forward, checkpoint
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return self.inner(*args, **kwargs)
+        return self.checkpoint(self.inner, *args, **kwargs)
+
+
+def checkpointed_blocks(module: nn.Module) -> dict[str, Callable[..., Any]]:
+    """Modules that checkpoint themselves when training (Hugging Face ``GradientCheckpointingLayer``
+    with checkpointing enabled) -> their checkpoint function. Matched by class name, so that this
+    layer imports nothing from ``transformers``; the model classes that carry the same flag (but
+    only hand it to their layers) are not checkpoints themselves."""
+    return {
+        name: sub._gradient_checkpointing_func
+        for name, sub in module.named_modules()
+        if getattr(sub, "gradient_checkpointing", False) is True and callable(getattr(sub, "_gradient_checkpointing_func", None))
+        and any(cls.__name__ == "GradientCheckpointingLayer" for cls in type(sub).__mro__)
+    }
+
+
+def _non_reentrant_checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``torch.utils.checkpoint`` as Hugging Face's layers call it (non-reentrant: autocast state
+    and keyword arguments are replayed in the recomputation)."""
+    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)
+
+
+def _honour_checkpointing(stage_module: nn.Module, blocks: dict[str, Callable[..., Any]]) -> list[str]:
+    """Wrap the stage's traced copies of ``blocks`` in :class:`CheckpointedForward`; return their names."""
+    wrapped = []
+    for name, sub in stage_module.named_modules():
+        if name in blocks and not isinstance(sub.__dict__.get("forward"), CheckpointedForward):
+            sub.forward = CheckpointedForward(sub.forward, blocks[name])  # type: ignore[method-assign]
+            wrapped.append(name)
+    return wrapped
+
+
+@dataclass(frozen=True)
+class TracedPipeline:
+    """The traced, cut model: one pipe per mode, their stage modules sharing the module's tensors.
+
+    Tracing is the slow part (``torch.export``); several runtimes (schedules) may be built
+    from one trace, as long as their plans cut at the same split points.
+    """
+
+    plan: PipelinePlan
+    microbatch_size: int
+    train: Pipe
+    eval: Pipe | None
+    holders_by_stage: tuple[frozenset[str], ...]
+    used_anywhere: frozenset[int] | None = None  # ids of the module's tensors that some stage uses
+
+
+def trace_pipeline(
+    module: nn.Module,
+    example_args: tuple[Any, ...],
+    example_kwargs: dict[str, Any] | None = None,
+    *,
+    plan: PipelinePlan,
+    microbatches: int,
+    build_eval: bool = True,
+    checkpoint_blocks: Sequence[str] = (),
+) -> TracedPipeline:
+    """Trace ``module`` on one microbatch of the full-batch example and cut it by ``plan`` (no process group needed).
+
+    ``checkpoint_blocks``: FQNs of blocks whose traced copies recompute their activations in
+    backward (a strategy's ``activation_checkpointing=True``), beside those the model checkpoints itself.
+    """
+    mb_args, mb_kwargs = microbatch_example(tuple(example_args), dict(example_kwargs or {}), microbatches)
+    train = trace_pipe(module, mb_args, mb_kwargs, plan, training=True)
+    evaluation = trace_pipe(module, mb_args, mb_kwargs, plan, training=False) if build_eval else None
+    canonical = {id(p): n for n, p in module.named_parameters()}
+    checkpointed = {name: _non_reentrant_checkpoint for name in checkpoint_blocks} | checkpointed_blocks(module)
+    holders = []
+    used: set[int] = set()
+    for pipe in (train, evaluation):
+        for k in range(plan.num_stages if pipe is not None else 0):
+            stage_module = pipe.get_stage_module(k)
+            hold_unit_tensors(stage_module, module)  # MoE layers are opaque ops: their tensors are not graph inputs
+            _adopt_original_tensors(stage_module, module)
+            _run_generated_code(stage_module)
+            used.update(id(t) for t in (*stage_module.parameters(), *stage_module.buffers()))
+            if pipe is train:
+                _honour_checkpointing(stage_module, checkpointed)
+                holders.append(frozenset(canonical[id(p)] for p in stage_module.parameters()))
+    return TracedPipeline(plan, batch_size_of(mb_args, mb_kwargs), train, evaluation, tuple(holders), frozenset(used))

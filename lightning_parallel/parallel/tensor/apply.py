@@ -1,0 +1,288 @@
+"""Megatron-style tensor parallelism on DTensor for an unchanged model, in place.
+
+Given a :class:`~lightning_parallel.parallel.tensor.plan.TensorParallelPlan` (see :mod:`lightning_parallel.parallel.tensor.plan`),
+the first linear(s) of each pair split their output features (column-parallel), the second
+its input features (row-parallel, one all-reduce per pair in the forward), the token embedding
+its vocabulary, and the LM head its vocabulary with the logits gathered, so the model's own
+``forward`` and an unchanged ``F.cross_entropy`` on the logits still work. Parameter names
+never change (``parallelize_module`` swaps each parameter for a DTensor under the same name),
+so optimizers built afterwards, ``state_dict`` and distributed checkpoints see the same keys.
+
+Inside an attention or MLP module (a "region": the parent of a row-parallel linear) the
+column-parallel outputs stay DTensors, which is what lets code that reshapes with the global
+head count run unchanged (see :mod:`lightning_parallel.parallel.tensor.attention`). What leaves a
+region or a sharded module outside one is a plain tensor, never the ``AsyncCollectiveTensor`` of
+a pending all-reduce (``tp_attention.settled``: AOT autograd mishandles it as the input of a
+compiled block, ``compile_blocks``).
+
+Sequence parallelism (``sequence_parallel=True``): between blocks the residual stream stays
+split along the sequence (dim 1, batch-first): norms run on their slice with replicated
+DTensor weights (``SequenceParallel``), the row-parallel output reduce-scatters instead of
+all-reducing, a region gathers the sequence on entry, the token embedding's output is split,
+a replicated position embedding keeps its rank's slice, and the LM head gathers before
+projecting. Sequences must divide by the TP size.
+
+Gradients leave the backward in their parameter's layout. DTensor autograd alone does not
+promise that: under sequence parallelism a replicated norm weight gets a ``Partial`` gradient
+(each rank holds its sequence slice's sum, not the sum), and the vocabulary-sharded embedding
+gets a ``Replicate`` full-vocabulary gradient on every rank. The optimizer step would fix the
+values, but everything between backward and step reads ``.grad`` as the parameter's layout:
+global-norm clipping (a ``Partial`` gradient counted as a shard gives a wrong norm), gradient
+norm logging, and the memory budget (a full embedding gradient per rank). A post-accumulate
+hook per parameter redistributes the gradient to the parameter's placements (an all-reduce
+for ``Partial``, a local slice for ``Replicate`` -> ``Shard``). Under FSDP2 the parameters are
+replaced and FSDP2 does the same redistribution itself before reducing over the data axes.
+
+Loss parallelism (``loss_parallel=True``): the LM head keeps its output split over the
+vocabulary (a ``Shard(-1)`` DTensor) inside a step scope and ``F.cross_entropy`` runs on the
+shards; outside a step it gathers as before. The rules for the user's other uses of the logits
+live in :mod:`lightning_parallel.parallel.tensor.loss`.
+
+Composition: apply this before FSDP2 (which then shards the DTensor parameters over the
+data-parallel axes) and after a pipeline split.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from lightning_parallel.parallel.errors import config_error
+from lightning_parallel.parallel.tensor.attention import (
+    RegionForward,
+    gather_input_hook,
+    install_region,
+    settle_output_hook,
+    slice_output_hook,
+)
+from lightning_parallel.parallel.tensor.experts import apply_experts_tensor_parallel
+from lightning_parallel.parallel.tensor.fused import Conv1DRowwiseParallel, FusedColwiseParallel, is_conv1d
+from lightning_parallel.parallel.tensor.loss import install_sharded_head
+from lightning_parallel.parallel.tensor.plan import TensorParallelPlan
+from lightning_parallel.parallel.tensor.styles import COLWISE, COLWISE_GATHER, EMBEDDING_ROWWISE, EXPERTS, ROWWISE, ROWWISE_SPLIT_INPUT
+
+
+def _parent(name: str) -> str:
+    return name.rpartition(".")[0]
+
+
+def _inside(name: str, containers: set[str]) -> bool:
+    """Whether ``name`` is one of ``containers`` or below one of them."""
+    parts = name.split(".")
+    return "" in containers or any(".".join(parts[:i]) in containers for i in range(1, len(parts) + 1))
+
+
+def check_tensor_parallel(
+    module: nn.Module, tp_mesh: DeviceMesh, plan: TensorParallelPlan, sequence_parallel: bool, loss_parallel: bool = False
+) -> None:
+    """Every check :func:`apply_tensor_parallel` makes, with no collective: call it on every rank first."""
+    if not isinstance(plan, TensorParallelPlan):
+        raise config_error(TypeError, "plan", type(plan).__name__, "must be a TensorParallelPlan", "build it with resolve_tp_plan(module, tp_size)")
+    if not isinstance(tp_mesh, DeviceMesh) or tp_mesh.ndim != 1:
+        raise config_error(
+            ValueError, "tp_mesh", tp_mesh, "must be a 1-D DeviceMesh (the tensor-parallel axis)",
+            "pass ParallelDims.build_mesh(...) then dims.axis(TP)",
+        )
+    if tp_mesh.size() != plan.tp_size:
+        raise config_error(
+            ValueError, "plan.tp_size", plan.tp_size, f"it must equal the tensor-parallel mesh size {tp_mesh.size()}",
+            "resolve the plan with the same tensor_parallel_size as the mesh",
+        )
+    if not isinstance(sequence_parallel, bool):
+        raise config_error(TypeError, "sequence_parallel", sequence_parallel, "must be a bool", "pass sequence_parallel=true or false")
+    if not isinstance(loss_parallel, bool):
+        raise config_error(TypeError, "loss_parallel", loss_parallel, "must be a bool", "pass loss_parallel=true or false")
+    modules = dict(module.named_modules())
+    missing = [n for n in (*plan.styles, *plan.regions, *plan.norms) if n not in modules]
+    if missing:
+        raise config_error(
+            ValueError, "plan", missing[:5], "names modules this model does not have (resolved for another model?)",
+            "call resolve_tp_plan on the module you parallelise",
+        )
+    already = [n for n, p in module.named_parameters() if isinstance(p, DTensor)]
+    if already or any(isinstance(m.__dict__.get("forward"), RegionForward) for m in modules.values()):
+        raise config_error(
+            RuntimeError, "apply_tensor_parallel", type(module).__name__,
+            f"the module is already parallelised (DTensor parameters such as {already[:2]})",
+            "apply tensor parallelism once, before data-parallel sharding",
+        )
+    if sequence_parallel:
+        hf = next((n for n, m in modules.items() if _is_hf_model(m)), None)
+        if hf is not None:
+            raise config_error(
+                ValueError, "sequence_parallel", True,
+                f"`{hf or type(module).__name__}` is a Hugging Face transformers model: it builds its attention mask, "
+                "position ids and rotary embeddings from the length of the embedding output, which sequence "
+                "parallelism splits here, so they would cover half the sequence",
+                "set sequence_parallel=false (tensor parallelism itself splits every projection of these models)",
+            )
+        if not plan.stream_embeddings:
+            raise config_error(
+                ValueError, "sequence_parallel", True,
+                f"{type(module).__name__} has no nn.Embedding producing (batch, sequence, features) hidden states, so there is no sequence to split",
+                "set sequence_parallel=false for this model",
+            )
+        covered = set(plan.styles) | set(plan.norms) | set(plan.stream_embeddings) | set(plan.lm_heads)
+        containers = set(plan.regions) | set(plan.blocks)
+        unplaced = [
+            n for n, m in modules.items()
+            if any(True for _ in m.parameters(recurse=False)) and n not in covered and not _inside(n, containers)
+        ]
+        if unplaced:
+            raise config_error(
+                ValueError, "sequence_parallel", True,
+                f"modules {unplaced[:5]} own parameters on the residual stream but are neither a norm, an embedding, "
+                "an LM head nor inside an attention/MLP block, so their place in a sequence split is unknown",
+                "set sequence_parallel=false, or give a tp_plan marking per-token modules as 'sequence_parallel'",
+            )
+
+
+def _is_hf_model(module: nn.Module) -> bool:
+    """A ``transformers.PreTrainedModel`` (by class name in the MRO: no transformers import here)."""
+    return any(cls.__name__ == "PreTrainedModel" for cls in type(module).__mro__)
+
+
+def _sharded_heads(plan: TensorParallelPlan) -> list[str]:
+    """LM heads whose logits can stay split over the vocabulary (loss parallelism)."""
+    return [name for name in plan.lm_heads if plan.styles.get(name) == COLWISE_GATHER]
+
+
+def _colwise(module: nn.Module, split_factor: int, **kwargs: object) -> ParallelStyle:
+    """torch's ``ColwiseParallel`` where it applies, the fused/Conv1D variant elsewhere."""
+    if split_factor > 1 or is_conv1d(module):
+        return FusedColwiseParallel(split_factor=split_factor, **kwargs)  # type: ignore[arg-type]
+    return ColwiseParallel(**kwargs)  # type: ignore[arg-type]
+
+
+def _rowwise(module: nn.Module, **kwargs: object) -> ParallelStyle:
+    return (Conv1DRowwiseParallel if is_conv1d(module) else RowwiseParallel)(**kwargs)  # type: ignore[arg-type]
+
+
+def _styles(
+    plan: TensorParallelPlan, sequence_parallel: bool, loss_parallel: bool = False, module: nn.Module | None = None
+) -> dict[str, ParallelStyle]:
+    """One torch ``ParallelStyle`` per planned module (experts modules are split separately).
+
+    ``module`` (the root the plan was resolved on) tells ``Conv1D`` apart from ``nn.Linear``;
+    without it every linear is taken for an ``nn.Linear``.
+    """
+    sp = sequence_parallel
+    regions = set(plan.regions)
+    stream = Shard(1) if sp else Replicate()
+    out: dict[str, ParallelStyle] = {}
+    for name, style in plan.styles.items():
+        in_region = _parent(name) in regions
+        mod = module.get_submodule(name) if module is not None else nn.Linear(1, 1)
+        packed = plan.packed.get(name, 1)
+        if style == COLWISE:
+            # In a region the output stays a DTensor (global shapes for the user's reshapes).
+            out[name] = _colwise(mod, packed, use_local_output=not in_region)
+        elif style == ROWWISE:
+            out[name] = _rowwise(mod, output_layouts=stream if in_region else Replicate())
+        elif style == ROWWISE_SPLIT_INPUT:
+            # Hugging Face's "rowwise_split_input": the input arrives whole and is sliced here.
+            out[name] = _rowwise(mod, input_layouts=Replicate(), output_layouts=stream if in_region else Replicate())
+        elif style == COLWISE_GATHER:
+            reads_stream = sp and name in plan.lm_heads
+            inputs = Shard(1) if reads_stream else Replicate()
+            if loss_parallel and name in plan.lm_heads:  # vocabulary-sharded DTensor; tp_loss decides per call
+                out[name] = _colwise(mod, packed, input_layouts=inputs, output_layouts=Shard(-1), use_local_output=False)
+            else:
+                out[name] = _colwise(mod, packed, input_layouts=inputs, output_layouts=Replicate())
+        elif style == EMBEDDING_ROWWISE:
+            writes_stream = sp and name in plan.stream_embeddings
+            out[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1) if writes_stream else Replicate())
+        elif style == EXPERTS:
+            continue
+        else:  # pragma: no cover - resolve_tp_plan only stores sharding styles here
+            raise AssertionError(f"unexpected style {style!r} for {name}")
+    if sp:
+        for name in plan.norms:
+            out[name] = SequenceParallel(use_local_output=True)
+    return out
+
+
+def _ties(module: nn.Module, names: set[str]) -> list[list[tuple[str, str]]]:
+    """Groups of (module, parameter name) sharing one Parameter, among the planned modules."""
+    owners: dict[int, list[tuple[str, str]]] = {}
+    for mod_name, mod in module.named_modules(remove_duplicate=False):
+        for local, param in mod.named_parameters(recurse=False):
+            owners.setdefault(id(param), []).append((mod_name, local))
+    return [group for group in owners.values() if len(group) > 1 and any(m in names for m, _ in group)]
+
+
+def _grad_to_param_layout(param: torch.Tensor) -> None:
+    """Post-accumulate-grad hook: give ``param.grad`` the placements of ``param`` (see module doc)."""
+    grad = param.grad
+    if isinstance(param, DTensor) and isinstance(grad, DTensor) and tuple(grad.placements) != tuple(param.placements):
+        with torch.no_grad():
+            param.grad = grad.redistribute(param.device_mesh, param.placements)
+
+
+def apply_tensor_parallel(
+    module: nn.Module,
+    tp_mesh: DeviceMesh,
+    plan: TensorParallelPlan,
+    sequence_parallel: bool = False,
+    loss_parallel: bool = False,
+) -> None:
+    """Parallelise ``module`` in place over the 1-D ``tp_mesh`` following ``plan``.
+
+    All input checks run before the first collective (see :func:`check_tensor_parallel`).
+    Every rank must hold the same initial weights or, as ``distribute_tensor`` does, rank 0's
+    are used. Build the optimizer after this call: the parameters are new DTensor objects.
+    """
+    check_tensor_parallel(module, tp_mesh, plan, sequence_parallel, loss_parallel)
+    styles = _styles(plan, sequence_parallel, loss_parallel, module)
+    ties = _ties(module, set(styles))
+    parallelize_module(module, tp_mesh, styles)
+    for name, style in plan.styles.items():
+        if style == EXPERTS:
+            apply_experts_tensor_parallel(module.get_submodule(name), tp_mesh)
+    for group in ties:  # parallelize_module distributes each owner separately: tie them again
+        first_mod, first_local = group[0]
+        shared = getattr(module.get_submodule(first_mod), first_local)
+        for mod_name, local in group[1:]:
+            setattr(module.get_submodule(mod_name), local, shared)
+    for name in styles:  # outside regions (which settle their own outputs): plain tensors, not pending collectives
+        if _parent(name) not in plan.regions:
+            module.get_submodule(name).register_forward_hook(settle_output_hook)
+    for param in {id(p): p for p in module.parameters()}.values():
+        if isinstance(param, DTensor) and param.requires_grad:
+            param.register_post_accumulate_grad_hook(_grad_to_param_layout)
+    if loss_parallel:
+        heads = _sharded_heads(plan)
+        if not heads:
+            warnings.warn(
+                f"loss_parallel=True but the plan shards no LM head of {type(module).__name__} over the vocabulary "
+                f"(lm_heads={list(plan.lm_heads)}): the loss runs on replicated logits. HINT: check the plan table "
+                "(python -m lightning_parallel.plan), or set loss_parallel=False",
+                stacklevel=2,
+            )
+        install_sharded_head(module, heads)
+    sp = sequence_parallel
+    for name in plan.regions:
+        install_region(module.get_submodule(name), tp_mesh, dtensor_region=True, gather_input=sp)
+    if not sp:
+        return
+    for name in plan.blocks:
+        if name not in plan.regions and not _inside(name, set(plan.regions)):
+            # A replicated attention/MLP (e.g. heads not divisible): full sequence in, own slice out.
+            install_region(module.get_submodule(name), tp_mesh, dtensor_region=False, gather_input=True, slice_output=True)
+    for name in plan.stream_embeddings:
+        if name not in plan.styles:
+            module.get_submodule(name).register_forward_hook(slice_output_hook(tp_mesh))
+    for name in plan.lm_heads:
+        if name not in plan.styles:
+            module.get_submodule(name).register_forward_pre_hook(gather_input_hook(tp_mesh))

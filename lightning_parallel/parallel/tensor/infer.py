@@ -1,0 +1,256 @@
+"""Structural inference of a tensor-parallel layout: what a module tree says without running it.
+
+Separate from the plan (:mod:`lightning_parallel.parallel.tensor.plan`) because it answers another
+question: not "which style does a module get" (precedence, user globs, divisibility, bytes) but
+"which linears form a column/row pair, where is the vocabulary, which modules sit on the
+residual stream". It reads module types, names, shapes and head-count attributes only, so it
+works on a meta-device model. Attention is recognised by role names (``q_proj``, ``wq``, ...)
+or, when the parent declares a head count, by shape and order; a feed-forward pair by an
+``H -> F`` linear (or gate and up) registered before an ``F -> H`` one, or by execution order
+in an ``nn.Sequential``. The plan turns these roles into styles.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from lightning_parallel.parallel.tensor.experts import experts_layout, experts_reason
+from lightning_parallel.parallel.tensor.fused import features, is_linear_like
+
+_ELEMENTWISE = (
+    nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Dropout, nn.Identity, nn.LeakyReLU,
+    nn.ELU, nn.SELU, nn.CELU, nn.Mish, nn.Softplus, nn.Hardswish, nn.Hardtanh, nn.Hardsigmoid,
+)
+_HEAD_ATTRS = ("num_heads", "n_head", "n_heads", "num_attention_heads", "nhead", "heads")
+_KV_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_kv_head", "kv_heads", "n_kv")
+_HEAD_DIM_ATTRS = ("head_dim", "head_size", "d_head")
+_ROLE_NAMES = {
+    "q": ("q", "q_proj", "query", "wq", "to_q", "q_lin"),
+    "k": ("k", "k_proj", "key", "wk", "to_k", "k_lin"),
+    "v": ("v", "v_proj", "value", "wv", "to_v", "v_lin"),
+    "o": ("o", "o_proj", "out_proj", "proj", "c_proj", "wo", "out", "dense", "to_out", "out_lin", "output"),
+}
+# Fused q/k/v projections laid out as [q | k | v] along the output features (GPT-2's ``c_attn``,
+# Phi-3's ``qkv_proj``, Baichuan's ``W_pack``). GPT-NeoX's ``query_key_value`` is laid out per
+# head ([q_h k_h v_h] for each head), so a plain split of it already gives whole heads.
+_PACKED_QKV = ("c_attn", "qkv_proj", "w_pack", "wqkv")
+_PER_HEAD_QKV = ("query_key_value",)
+_PACKED_GATE_UP = ("gate_up_proj", "w12", "gate_up")
+
+
+def _int_attr(obj: nn.Module, names: tuple[str, ...]) -> int | None:
+    """First positive int among ``names`` on the module, then on its ``config`` (HF layout)."""
+    for holder in (obj, getattr(obj, "config", None)):
+        for name in names if holder is not None else ():
+            value = getattr(holder, name, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return None
+
+
+def head_counts(module: nn.Module) -> tuple[int | None, int | None]:
+    """(query heads, key/value heads) a module declares by attribute, None when it does not."""
+    return _int_attr(module, _HEAD_ATTRS), _int_attr(module, _KV_ATTRS)
+
+
+@dataclass
+class Structure:
+    """What the module tree says without running it: groups to shard and the residual stream.
+
+    ``column`` are the first linears of each pair (they may split their outputs), ``row`` the
+    second (they split their inputs and sum), ``groups`` the members that must be split
+    together, keyed by the parent module (``parent#mlpN`` for a feed-forward pair,
+    ``#vocab`` for the vocabulary embedding and the LM heads reading its width).
+    """
+
+    column: list[str] = field(default_factory=list)
+    row: list[str] = field(default_factory=list)
+    vocab_embedding: str | None = None
+    groups: dict[str, list[str]] = field(default_factory=dict)
+    norms: tuple[str, ...] = ()
+    stream_embeddings: tuple[str, ...] = ()
+    lm_heads: tuple[str, ...] = ()
+    blocks: tuple[str, ...] = ()
+    roles: dict[str, str] = field(default_factory=dict)
+    packed: dict[str, int] = field(default_factory=dict)
+    experts: list[str] = field(default_factory=list)
+
+    def reason(self, name: str) -> str:
+        """Why a module that owns parameters is not sharded, for the report."""
+        return self.roles.get(name, "no column/row-parallel partner found")
+
+
+def _fused_attention(parent: nn.Module, lins: list[tuple[str, nn.Module]]) -> tuple[str, str, int] | None:
+    """(fused qkv child, output child, split factor) of an attention with one fused q/k/v projection.
+
+    The split factor is 3 for a ``[q | k | v]`` layout with equal parts (split per part, each
+    rank gets whole heads of each), 1 for a per-head layout. Grouped-query ``[q | k | v]`` with
+    unequal parts has no such placement and is not matched (it stays whole, with its reason).
+    """
+    heads = head_counts(parent)[0] or _int_attr(parent, _HEAD_DIM_ATTRS)
+    if not heads or len(lins) != 2:
+        return None
+    (fn, fused), (on, out) = lins
+    if fn.lower() in _ROLE_NAMES["o"] or on.lower() not in _ROLE_NAMES["o"]:
+        (fn, fused), (on, out) = (on, out), (fn, fused)
+    f_in, f_out = features(fused)
+    o_in, _ = features(out)
+    if on.lower() not in _ROLE_NAMES["o"] or f_out != 3 * o_in:
+        return None
+    if fn.lower() in _PACKED_QKV:
+        return fn, on, 3
+    if fn.lower() in _PER_HEAD_QKV:
+        return fn, on, 1
+    return None
+
+
+def _attention(parent: nn.Module, lins: list[tuple[str, nn.Module]]) -> dict[str, str] | None:
+    """role -> child name for q/k/v/o, found by name, else by shape and order, else None.
+
+    Shape and order: q, k, v are the first three linears reading the same width, with k and v
+    of equal width dividing q's (grouped-query attention has fewer k/v heads); o is a later
+    linear reading q's width. Without role names, a head-count attribute must say "attention".
+    """
+    by_name = {}
+    for role, names in _ROLE_NAMES.items():
+        hit = [local for local, _ in lins if local.lower() in names]
+        if hit:
+            by_name[role] = hit[0]
+    found = by_name if len(by_name) == 4 else None
+    if found is None and (head_counts(parent)[0] or _int_attr(parent, _HEAD_DIM_ATTRS)):
+        for i in range(len(lins) - 3):
+            (qn, q), (kn, k), (vn, v) = lins[i], lins[i + 1], lins[i + 2]
+            outs = [(on, o) for on, o in lins[i + 3:] if features(o)[0] == features(q)[1]]
+            if features(q)[0] == features(k)[0] == features(v)[0] and outs:
+                found = {"q": qn, "k": kn, "v": vn, "o": outs[-1][0]}
+                break
+    if found is None:
+        return None
+    mods = dict(lins)
+    (q_in, q_out), (k_in, k_out), (v_in, v_out), (o_in, _) = (features(mods[found[r]]) for r in "qkvo")
+    shapes_ok = q_in == k_in == v_in and k_out == v_out and q_out % k_out == 0 and o_in == q_out
+    return found if shapes_ok else None
+
+
+def _mlp_groups(parent: nn.Module, lins: list[tuple[str, nn.Module]], used: set[str]) -> list[tuple[list[str], str, int]]:
+    """([column-parallel children], row-parallel child) pairs around an elementwise op.
+
+    In an ``nn.Sequential`` the order of children is the order of execution, so a Linear, any
+    elementwise modules, then a Linear reading its width form a pair. Elsewhere a pair is
+    ``H -> F`` linears (one, or gate and up) registered before an ``F -> H`` linear, or a fused
+    ``H -> 2F`` gate/up (by name) before an ``F -> H`` one. The third element is the split factor
+    of the column-parallel output (2 for a packed gate/up, else 1).
+    """
+    groups: list[tuple[list[str], str, int]] = []
+    if isinstance(parent, nn.Sequential):
+        children = list(parent.named_children())
+        i = 0
+        while i < len(children):
+            name, first = children[i]
+            j = i + 1
+            while j < len(children) and isinstance(children[j][1], _ELEMENTWISE):
+                j += 1
+            if (
+                is_linear_like(first) and j < len(children)
+                and is_linear_like(children[j][1]) and features(children[j][1])[0] == features(first)[1]
+            ):
+                groups.append(([name], children[j][0], 1))
+                i = j + 1
+            else:
+                i += 1
+        return groups
+    for d_pos, (dn, down) in enumerate(lins):
+        if dn in used:
+            continue
+        d_in, d_out = features(down)
+        ups = [un for un, up in lins[:d_pos] if un not in used and features(up) == (d_out, d_in)]
+        if ups:
+            used.update(ups + [dn])
+            groups.append((ups, dn, 1))
+            continue
+        packed = [un for un, up in lins if un not in used and un.lower() in _PACKED_GATE_UP
+                  and features(up) == (d_out, 2 * d_in)]
+        if packed:
+            used.update(packed[:1] + [dn])
+            groups.append((packed[:1], dn, 2))
+    return groups
+
+
+def analyse(module: nn.Module) -> Structure:
+    """Infer a plan from the module tree: attention and MLP groups, vocab embedding and head."""
+    st = Structure()
+    modules = dict(module.named_modules())
+    blocks: list[str] = []
+    for pname, parent in modules.items():
+        prefix = f"{pname}." if pname else ""
+        if any(p.ndim == 3 for p in parent.parameters(recurse=False)):
+            reason = experts_reason(parent)
+            if reason is None:
+                st.experts.append(pname)
+                st.groups[f"{pname}#experts"] = [pname]
+            else:
+                st.roles[pname] = reason
+        if isinstance(parent, nn.MultiheadAttention):
+            st.roles[pname] = (
+                "nn.MultiheadAttention: no tensor-parallel split of its fused in_proj_weight (used inside "
+                "F.multi_head_attention_forward) is implemented; kept whole"
+            )
+        lins = [(n, c) for n, c in parent.named_children() if is_linear_like(c)]
+        if not lins:
+            continue
+        used: set[str] = set()
+        attn = _attention(parent, lins)
+        fused = _fused_attention(parent, lins) if attn is None else None
+        if fused is not None:
+            fn, on, factor = fused
+            st.column.append(prefix + fn)
+            st.row.append(prefix + on)
+            st.groups[pname] = [prefix + fn, prefix + on]
+            if factor > 1:
+                st.packed[prefix + fn] = factor
+            used.update((fn, on))
+            blocks.append(pname)
+        if attn is not None:
+            members = [prefix + attn[r] for r in "qkv"] + [prefix + attn["o"]]
+            st.column += members[:3]
+            st.row.append(members[3])
+            st.groups[pname] = members
+            used.update(attn.values())
+            blocks.append(pname)
+        for n, (ups, down, factor) in enumerate(_mlp_groups(parent, lins, used)):
+            members = [prefix + u for u in ups] + [prefix + down]
+            if factor > 1:
+                st.packed[members[0]] = factor
+            st.column += members[:-1]
+            st.row.append(members[-1])
+            st.groups[f"{pname}#mlp{n}"] = members
+            if pname not in blocks:
+                blocks.append(pname)
+    st.blocks = tuple(blocks)
+    inside = tuple(f"{b}." for b in blocks if b)
+    paired = set(st.column) | set(st.row)
+    embeddings = [(n, m) for n, m in modules.items() if isinstance(m, nn.Embedding)]
+    heads = [
+        (e_name, n) for n, m in modules.items() for e_name, e in embeddings
+        if isinstance(m, nn.Linear) and n not in paired and not n.startswith(inside)
+        and (m.in_features, m.out_features) == (e.embedding_dim, e.num_embeddings)
+    ]
+    if heads or embeddings:
+        vocab_name = max(heads or [(n, "") for n, _ in embeddings], key=lambda h: modules[h[0]].num_embeddings)[0]
+        hidden = modules[vocab_name].embedding_dim
+        st.vocab_embedding = vocab_name
+        st.lm_heads = tuple(h for e, h in heads if e == vocab_name)
+        st.groups["#vocab"] = [vocab_name, *st.lm_heads]
+        st.stream_embeddings = tuple(n for n, e in embeddings if e.embedding_dim == hidden)
+        st.roles.update({n: "position/extra embedding" for n in st.stream_embeddings if n != vocab_name})
+    norms = []
+    for name, mod in modules.items():
+        params = list(mod.parameters(recurse=False))
+        if "norm" in type(mod).__name__.lower() and params and all(p.dim() == 1 for p in params):
+            if not name.startswith(inside):
+                norms.append(name)
+            st.roles[name] = "norm (sequence-sharded under sequence_parallel)"
+    st.norms = tuple(norms)
+    return st

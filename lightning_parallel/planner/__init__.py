@@ -1,0 +1,5 @@
+"""The layout planner: a search over layouts, not a technique. It reads the torch layer's plans
+(:mod:`lightning_parallel.parallel`), predicts step time and memory per layout (:mod:`.model`,
+:mod:`.cost`) on a cluster (:mod:`.hardware`, measured by :mod:`.calibrate`), ranks them
+(:mod:`.search`), and chooses the ``3d`` strategy's automatic degrees (:mod:`.auto_degrees`).
+The strategies call it; the torch layer never imports it."""

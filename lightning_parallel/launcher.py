@@ -7,6 +7,10 @@ multirun), which cannot work inside a test runner. Why not ``torch.multiprocessi
 it has no overall timeout, and a rank blocked in a collective keeps the test waiting forever.
 Here every rank reports either its return value or its traceback, and after ``timeout``
 seconds the stragglers are killed and the test fails with every rank's state.
+
+Inside :func:`lightning_parallel.worker_pool.pooled` (the test session), calls reuse warm
+worker groups instead of spawning (start-up, not the work, dominated the suite's time);
+``fresh_process=True`` keeps a call on processes of its own.
 """
 
 from __future__ import annotations
@@ -20,9 +24,16 @@ import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lightning_parallel.worker_pool import WorkerPool
 
 DEFAULT_TIMEOUT_S = 300.0
+FAILED_PEERS_GRACE_S = 15.0  # after one rank fails, how long its peers (often stuck in a collective) get to report
+
+_POOL: WorkerPool | None = None
+"""The worker pool calls go to, while :func:`lightning_parallel.worker_pool.pooled` is active."""
 
 
 class DistributedRunError(RuntimeError):
@@ -63,101 +74,81 @@ def _dumps(obj: Any) -> bytes:
 def _loads(data: bytes) -> Any:
     import torch
 
+    # Trusted: the pickled return value of our own worker process, not a user's file.
     return torch.load(io.BytesIO(data), weights_only=False)
 
 
-def _worker(
-    rank: int,
-    world_size: int,
-    port: int,
-    fn: Callable[..., Any],
-    args: tuple[Any, ...],
-    init_backend: str | None,
-    pg_timeout_s: float,
-    results: Any,
-) -> None:
+def run_task(
+    rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...], init_backend: str | None, pg_timeout_s: float
+) -> tuple[bool, bytes | str]:
+    """Run ``fn(*args)`` as ``rank`` of ``world_size``: (True, pickled result) or (False, traceback).
+
+    The process group this creates (or ``fn`` creates, as a Trainer does) is destroyed before
+    returning, so the process can run another task."""
     os.environ.update(worker_environment(rank, world_size, port))
     try:
         import torch
+        import torch.distributed as dist
 
         torch.set_num_threads(1)
         if init_backend is not None:
-            import torch.distributed as dist
-
-            dist.init_process_group(
-                init_backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout_s)
-            )
+            dist.init_process_group(init_backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout_s))
         try:
             value = fn(*args)
         finally:
-            if init_backend is not None:
-                import torch.distributed as dist
-
-                if dist.is_initialized():
-                    dist.destroy_process_group()
-        results.put((rank, True, _dumps(value)))
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        return True, _dumps(value)
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
-        results.put((rank, False, traceback.format_exc()))
+        return False, traceback.format_exc()
 
 
-def run_distributed(
-    fn: Callable[..., Any],
-    world_size: int,
-    *args: Any,
-    init_backend: str | None = "gloo",
-    timeout: float = DEFAULT_TIMEOUT_S,
-) -> list[Any]:
-    """Run ``fn(*args)`` on ``world_size`` spawned ranks and return the per-rank results.
+def _worker(
+    rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...], init_backend: str | None, pg_timeout_s: float, results: Any
+) -> None:
+    ok, payload = run_task(rank, world_size, port, fn, args, init_backend, pg_timeout_s)
+    results.put((0, rank, ok, payload, None))
 
-    ``fn`` must be importable (a module-level function). With ``init_backend`` set, each rank
-    joins a process group of that backend first (pure-torch tests); with ``None`` the function
-    creates it itself (a Lightning ``Trainer`` does). Collectives time out a little before the
-    run does, so a rank stuck in one fails with a traceback instead of being killed silently.
-    """
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    pg_timeout_s = max(10.0, timeout * 0.8)
-    procs = [
-        ctx.Process(
-            target=_worker,
-            args=(rank, world_size, port, fn, args, init_backend, pg_timeout_s, results),
-            daemon=False,
-        )
-        for rank in range(world_size)
-    ]
-    for proc in procs:
-        proc.start()
+
+def collect(results: Any, procs: list[Any], world_size: int, timeout: float, task: int) -> tuple[dict[int, tuple[bool, Any]], dict[int, Any]]:
+    """Wait for ``task``'s ``world_size`` reports on ``results``: (rank -> (ok, payload), rank -> extra).
+
+    Stops early when a rank died without reporting (killed, segfault) and, once one rank failed,
+    gives its peers :data:`FAILED_PEERS_GRACE_S` to report."""
     deadline = time.monotonic() + timeout
     outcomes: dict[int, tuple[bool, Any]] = {}
-    try:
-        while len(outcomes) < world_size:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            try:
-                rank, ok, payload = results.get(timeout=min(remaining, 1.0))
-            except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in outcomes]
-                # A rank that died without reporting (killed, segfault): give the queue a moment.
-                if dead and all(procs[r].exitcode not in (0, None) for r in dead):
-                    time.sleep(1.0)
-                    if results.empty():
-                        for r in dead:
-                            outcomes[r] = (False, f"process exited with code {procs[r].exitcode} without a result")
-                continue
-            outcomes[rank] = (ok, payload)
-            if not ok:
-                # A failed rank usually leaves its peers blocked in a collective; wait briefly for them.
-                deadline = min(deadline, time.monotonic() + 15.0)
-    finally:
-        for proc in procs:
-            proc.join(timeout=max(0.0, min(5.0, deadline - time.monotonic())))
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=5)
-    if len(outcomes) == world_size and all(ok for ok, _ in outcomes.values()):
+    extras: dict[int, Any] = {}
+    while len(outcomes) < world_size:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        try:
+            tag, rank, ok, payload, extra = results.get(timeout=min(remaining, 1.0))
+        except queue.Empty:
+            dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in outcomes]
+            # A rank that died without reporting: give the queue a moment.
+            if dead and all(procs[r].exitcode not in (0, None) for r in dead):
+                time.sleep(1.0)
+                if results.empty():
+                    for r in dead:
+                        outcomes[r] = (False, f"process exited with code {procs[r].exitcode} without a result")
+            continue
+        if tag != task:
+            continue  # a report from an earlier task of a reused process
+        outcomes[rank] = (ok, payload)
+        extras[rank] = extra
+        if not ok:
+            deadline = min(deadline, time.monotonic() + FAILED_PEERS_GRACE_S)
+    return outcomes, extras
+
+
+def succeeded(outcomes: dict[int, tuple[bool, Any]], world_size: int) -> bool:
+    return len(outcomes) == world_size and all(ok for ok, _ in outcomes.values())
+
+
+def results_or_raise(fn: Callable[..., Any], world_size: int, timeout: float, outcomes: dict[int, tuple[bool, Any]]) -> list[Any]:
+    """Every rank's return value, or a :class:`DistributedRunError` telling each rank's story."""
+    if succeeded(outcomes, world_size):
         return [_loads(outcomes[r][1]) for r in range(world_size)]
     lines = [f"distributed run of {getattr(fn, '__name__', fn)} on {world_size} ranks failed:"]
     for r in range(world_size):
@@ -168,3 +159,51 @@ def run_distributed(
         else:
             lines.append(f"--- rank {r}: ok")
     raise DistributedRunError("\n".join(lines))
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    init_backend: str | None = "gloo",
+    timeout: float = DEFAULT_TIMEOUT_S,
+    fresh_process: bool = False,
+) -> list[Any]:
+    """Run ``fn(*args)`` on ``world_size`` spawned ranks and return the per-rank results.
+
+    ``fn`` must be importable (a module-level function). With ``init_backend`` set, each rank
+    joins a process group of that backend first (pure-torch tests); with ``None`` the function
+    creates it itself (a Lightning ``Trainer`` does). Collectives time out a little before the
+    run does, so a rank stuck in one fails with a traceback instead of being killed silently.
+    ``fresh_process``: never run on a pooled worker (a measurement of the whole process, such as
+    its peak RSS since start, or a reference that must not share a process with earlier work).
+    """
+    if _POOL is not None and not fresh_process:
+        return _POOL.run(fn, world_size, args, init_backend=init_backend, timeout=timeout)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    pg_timeout_s = pg_timeout_for(timeout)
+    procs = [
+        ctx.Process(target=_worker, args=(rank, world_size, port, fn, args, init_backend, pg_timeout_s, results), daemon=False)
+        for rank in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    started = time.monotonic()
+    try:
+        outcomes, _ = collect(results, procs, world_size, timeout, task=0)
+    finally:
+        grace = max(0.0, min(5.0, started + timeout - time.monotonic()))
+        for proc in procs:
+            proc.join(timeout=grace)
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+    return results_or_raise(fn, world_size, timeout, outcomes)
+
+
+def pg_timeout_for(timeout: float) -> float:
+    """Collectives time out a little before the run does, so a stuck rank reports a traceback."""
+    return max(10.0, timeout * 0.8)

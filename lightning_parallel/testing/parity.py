@@ -209,4 +209,4 @@ def run_fits_in_fresh_process(specs: list[FitSpec], timeout: float = 900.0) -> l
     had run the suite's earlier tests, while the same fit in a fresh process matched the ranks to 1e-6."""
     from lightning_parallel.testing import run_distributed
 
-    return run_distributed(run_fits, 1, specs, init_backend=None, timeout=timeout)[0]
+    return run_distributed(run_fits, 1, specs, init_backend=None, timeout=timeout, fresh_process=True)[0]

@@ -234,7 +234,7 @@ class CollectiveCall:
     """One recorded collective (outermost call only)."""
 
     op: str  # "torch.distributed.all_reduce", "funcol.all_gather_tensor", ...
-    site: str  # innermost frame in lightning_parallel ("strategies/hybrid.py:753 reduce_boolean_decision")
+    site: str  # innermost frame in lightning_parallel ("strategies/collectives.py:60 reduce_boolean_decision")
     direct: bool  # the collective was called from that frame itself (not through torch/Lightning)
     via: str  # the frame that called the collective
     ranks: tuple[int, ...]

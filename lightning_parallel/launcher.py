@@ -8,9 +8,12 @@ it has no overall timeout, and a rank blocked in a collective keeps the test wai
 Here every rank reports either its return value or its traceback, and after ``timeout``
 seconds the stragglers are killed and the test fails with every rank's state.
 
-Inside :func:`lightning_parallel.worker_pool.pooled` (the test session), calls reuse warm
-worker groups instead of spawning (start-up, not the work, dominated the suite's time);
-``fresh_process=True`` keeps a call on processes of its own.
+Inside :func:`preloaded_workers` (the test session), ranks are forked from a server process that
+imported torch, Lightning and this package once, instead of each spawned rank importing them
+again (5-8 s of CPU per rank on the 2-core CI machine, most of the suite's start-up cost). Each
+rank is still a new process: nothing one call runs is seen by the next, unlike a pool of reused
+workers (an earlier attempt, whose carried-over state broke tensor-parallel parity).
+``fresh_process=True`` keeps a call on spawned processes that imported nothing before.
 """
 
 from __future__ import annotations
@@ -22,18 +25,16 @@ import queue
 import socket
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from lightning_parallel.worker_pool import WorkerPool
+from typing import Any
 
 DEFAULT_TIMEOUT_S = 300.0
 FAILED_PEERS_GRACE_S = 15.0  # after one rank fails, how long its peers (often stuck in a collective) get to report
 
-_POOL: WorkerPool | None = None
-"""The worker pool calls go to, while :func:`lightning_parallel.worker_pool.pooled` is active."""
+_START_METHOD = "spawn"
+"""How ranks start: ``spawn``, or ``forkserver`` inside :func:`preloaded_workers`."""
 
 
 class DistributedRunError(RuntimeError):
@@ -78,13 +79,43 @@ def _loads(data: bytes) -> Any:
     return torch.load(io.BytesIO(data), weights_only=False)
 
 
+@contextmanager
+def preloaded_workers(modules: Sequence[str]) -> Iterator[None]:
+    """Inside this block, :func:`run_distributed` forks its ranks from a server that imported ``modules``.
+
+    Why: importing torch and Lightning costs every spawned rank seconds of CPU before it does any
+    work; the forkserver pays it once. Each rank is a fresh fork of that server (not a reused
+    worker), gets the caller's environment, working directory and ``sys.path`` as a spawned rank
+    does, and has touched no CUDA device (importing torch does not initialise CUDA). Modules that
+    read the environment when imported see the server's: keep such settings out of ``modules``.
+    The server lives until the calling process exits (multiprocessing starts it once)."""
+    global _START_METHOD
+    previous = _START_METHOD
+    mp.get_context("forkserver").set_forkserver_preload(list(modules))
+    _START_METHOD = "forkserver"
+    try:
+        yield
+    finally:
+        _START_METHOD = previous
+
+
 def run_task(
-    rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...], init_backend: str | None, pg_timeout_s: float
+    rank: int,
+    world_size: int,
+    port: int,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    init_backend: str | None,
+    pg_timeout_s: float,
+    environment: dict[str, str],
 ) -> tuple[bool, bytes | str]:
     """Run ``fn(*args)`` as ``rank`` of ``world_size``: (True, pickled result) or (False, traceback).
 
-    The process group this creates (or ``fn`` creates, as a Trainer does) is destroyed before
-    returning, so the process can run another task."""
+    ``environment`` is the caller's ``os.environ``: a forked rank would otherwise see the
+    forkserver's, taken when it started. The process group this creates (or ``fn`` creates, as a
+    Trainer does) is destroyed before returning."""
+    os.environ.clear()
+    os.environ.update(environment)
     os.environ.update(worker_environment(rank, world_size, port))
     try:
         import torch
@@ -103,27 +134,25 @@ def run_task(
         return False, traceback.format_exc()
 
 
-def _worker(
-    rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...], init_backend: str | None, pg_timeout_s: float, results: Any
-) -> None:
-    ok, payload = run_task(rank, world_size, port, fn, args, init_backend, pg_timeout_s)
-    results.put((0, rank, ok, payload, None))
+def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...], init_backend: str | None,
+            pg_timeout_s: float, environment: dict[str, str], results: Any) -> None:
+    ok, payload = run_task(rank, world_size, port, fn, args, init_backend, pg_timeout_s, environment)
+    results.put((rank, ok, payload))
 
 
-def collect(results: Any, procs: list[Any], world_size: int, timeout: float, task: int) -> tuple[dict[int, tuple[bool, Any]], dict[int, Any]]:
-    """Wait for ``task``'s ``world_size`` reports on ``results``: (rank -> (ok, payload), rank -> extra).
+def collect(results: Any, procs: list[Any], world_size: int, timeout: float) -> dict[int, tuple[bool, Any]]:
+    """Wait for ``world_size`` reports on ``results``: rank -> (ok, payload).
 
     Stops early when a rank died without reporting (killed, segfault) and, once one rank failed,
     gives its peers :data:`FAILED_PEERS_GRACE_S` to report."""
     deadline = time.monotonic() + timeout
     outcomes: dict[int, tuple[bool, Any]] = {}
-    extras: dict[int, Any] = {}
     while len(outcomes) < world_size:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             break
         try:
-            tag, rank, ok, payload, extra = results.get(timeout=min(remaining, 1.0))
+            rank, ok, payload = results.get(timeout=min(remaining, 1.0))
         except queue.Empty:
             dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in outcomes]
             # A rank that died without reporting: give the queue a moment.
@@ -133,13 +162,10 @@ def collect(results: Any, procs: list[Any], world_size: int, timeout: float, tas
                     for r in dead:
                         outcomes[r] = (False, f"process exited with code {procs[r].exitcode} without a result")
             continue
-        if tag != task:
-            continue  # a report from an earlier task of a reused process
         outcomes[rank] = (ok, payload)
-        extras[rank] = extra
         if not ok:
             deadline = min(deadline, time.monotonic() + FAILED_PEERS_GRACE_S)
-    return outcomes, extras
+    return outcomes
 
 
 def succeeded(outcomes: dict[int, tuple[bool, Any]], world_size: int) -> bool:
@@ -175,24 +201,22 @@ def run_distributed(
     joins a process group of that backend first (pure-torch tests); with ``None`` the function
     creates it itself (a Lightning ``Trainer`` does). Collectives time out a little before the
     run does, so a rank stuck in one fails with a traceback instead of being killed silently.
-    ``fresh_process``: never run on a pooled worker (a measurement of the whole process, such as
-    its peak RSS since start, or a reference that must not share a process with earlier work).
+    ``fresh_process``: spawn, even inside :func:`preloaded_workers` (a measurement of the whole
+    process, such as its peak RSS since start, must not include the forkserver's imports).
     """
-    if _POOL is not None and not fresh_process:
-        return _POOL.run(fn, world_size, args, init_backend=init_backend, timeout=timeout)
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("spawn" if fresh_process else _START_METHOD)
     results = ctx.Queue()
     port = free_port()
     pg_timeout_s = pg_timeout_for(timeout)
     procs = [
-        ctx.Process(target=_worker, args=(rank, world_size, port, fn, args, init_backend, pg_timeout_s, results), daemon=False)
+        ctx.Process(target=_worker, args=(rank, world_size, port, fn, args, init_backend, pg_timeout_s, dict(os.environ), results), daemon=False)
         for rank in range(world_size)
     ]
     for proc in procs:
         proc.start()
     started = time.monotonic()
     try:
-        outcomes, _ = collect(results, procs, world_size, timeout, task=0)
+        outcomes = collect(results, procs, world_size, timeout)
     finally:
         grace = max(0.0, min(5.0, started + timeout - time.monotonic()))
         for proc in procs:

@@ -1,8 +1,7 @@
-"""Test-wide settings: one intra-op thread (the machines have 2 cores, shared by spawned ranks).
-
-``LP_WORKER_POOL=1`` runs the session's multi-process tests on warm reused worker groups
-(``lightning_parallel.worker_pool``). It is off by default: a full pooled run had six parity
-failures that fresh processes do not have (issue 25, still open), and it saved under two minutes."""
+"""Test-wide settings: one intra-op thread (the machines have 2 cores, shared by spawned ranks), and
+multi-process tests fork their ranks from a server that imported torch, Lightning, transformers
+and this package once (``launcher.preloaded_workers``): each spawned rank used to spend 5-8 s of
+CPU importing them. ``LP_SPAWN_WORKERS=1`` spawns every rank from scratch instead."""
 
 import os
 from collections.abc import Iterator
@@ -10,17 +9,28 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from lightning_parallel.worker_pool import WorkerPool, pooled
+from lightning_parallel.launcher import preloaded_workers
 
 torch.set_num_threads(1)
 
+PRELOADED = (
+    "torch",
+    "torch.distributed.fsdp",
+    "torch.distributed.pipelining",
+    "torch.distributed.tensor.parallel",
+    "torch.export",
+    "lightning.pytorch",
+    "torchmetrics",
+    "transformers",
+    "lightning_parallel",
+    "lightning_parallel.testing.parity",
+)
+
 
 @pytest.fixture(scope="session", autouse=True)
-def worker_pool() -> Iterator[WorkerPool | None]:
-    if os.environ.get("LP_WORKER_POOL") != "1":
-        yield None
+def preloaded_ranks() -> Iterator[None]:
+    if os.environ.get("LP_SPAWN_WORKERS") == "1":
+        yield
         return
-    with pooled() as pool:
-        yield pool
-    if pool is not None:
-        print(f"\nworker pool: {pool.tasks_run} distributed runs on {pool.spawned} spawned groups")
+    with preloaded_workers(PRELOADED):
+        yield

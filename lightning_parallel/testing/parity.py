@@ -202,11 +202,11 @@ def run_fits(specs: list[FitSpec]) -> list[dict[str, Any]]:
 
 
 def run_fits_in_fresh_process(specs: list[FitSpec], timeout: float = 900.0) -> list[dict[str, Any]]:
-    """One-process reference fits, run in a process spawned for them, as the ranks they are
-    compared with are. Why: a reference fitted inside the test process depends on what earlier
+    """One-process reference fits, run in a new process of their own, as the ranks they are
+    compared with are (forked from the test session's preloaded server, or spawned). Why: a reference fitted inside the test process depends on what earlier
     tests left there; a CI run's in-process resnet reference left its fresh-process trajectory
     at the second step (gradient norm 4e-5 apart, loss 2.4e-4 by the fifth), in the process that
     had run the suite's earlier tests, while the same fit in a fresh process matched the ranks to 1e-6."""
     from lightning_parallel.testing import run_distributed
 
-    return run_distributed(run_fits, 1, specs, init_backend=None, timeout=timeout, fresh_process=True)[0]
+    return run_distributed(run_fits, 1, specs, init_backend=None, timeout=timeout)[0]

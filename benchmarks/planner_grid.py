@@ -4,7 +4,7 @@ The seeds advise: small models, data parallelism; large ones, FSDP or model para
 large ones, hybrids. Nothing here states that rule: each cell is the planner's fastest fitting
 layout (planner/search.py) for a GPT of that size on that many A100-80GB devices (8 per node),
 a global batch of 4 sequences of 2,048 tokens per device, bf16, AdamW. Prints a markdown table
-(README's planner section) and, with ``--plot FILE``, draws it with matplotlib.
+(docs/planner.md, "What the planner picks by model size and device count") and, with ``--plot FILE``, draws it with matplotlib.
 
     python benchmarks/planner_grid.py [--hardware a100-80gb] [--plot docs/planner_grid.png]
 """

@@ -56,7 +56,7 @@ def _status_bytes(field: str) -> int:
 
 class MemoryReport(pl.Callback):
     """Per-step losses, and after the last step the bytes of parameters and gradients this rank
-    holds (local shards of DTensors) and its peak RSS: what the README reports."""
+    holds (local shards of DTensors) and its peak RSS: what docs/memory.md reports."""
 
     def __init__(self) -> None:
         self.losses: list[float] = []

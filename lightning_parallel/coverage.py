@@ -42,7 +42,7 @@ MODELS: dict[str, FitSpec] = {
     **{family: FitSpec(model=f"{_RM}:HFCausalLM", model_kwargs={"family": family},
                        data="lightning_parallel.testing.parity:token_data", global_batch=8, max_steps=5)
        for family in HF_FAMILIES},
-    # sync_batchnorm: the one-process reference normalises over the global batch (see README).
+    # sync_batchnorm: the one-process reference normalises over the global batch (see docs/coverage.md).
     # lr 0.02: at SGD lr 0.1 this tiny ResNet's zero-initialised BatchNorm biases amplify fp32
     # reduction-order round-off to ~1.1e-5 relative within five steps (dp and zero3 alike).
     "resnet": FitSpec(model=f"{_RM}:VisionClassifier", model_kwargs={"arch": "resnet", "lr": RESNET_LR},

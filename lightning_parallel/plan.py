@@ -34,7 +34,7 @@ data's or model's ``block_size``), ``--dtype`` (``bf16``, ``fp16``, ``fp32``), `
 (``adamw``, ``sgd``, ``sgd_momentum``), ``--3d`` (only the layouts ``strategy="3d"`` would choose
 from), ``--partial-recompute`` (also search Megatron-style block recomputation, which this project's
 strategy does not run: for comparing with engines that do), ``--top K`` rows, ``--json`` (the keys are
-listed in README's section "Choosing a layout: the planner").
+listed in docs/planner.md, "The planner").
 """
 
 from __future__ import annotations

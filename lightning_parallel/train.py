@@ -97,7 +97,7 @@ def check_config(cfg: DictConfig) -> int:
     if nprocs > 1 and not _launched_externally() and cfg.trainer.get("num_nodes", 1) != 1:
         raise ValueError(
             f"`trainer.num_nodes`={cfg.trainer.num_nodes} needs a cluster launcher. "
-            "HINT: use torchrun on each node, or `hydra/launcher=slurm` (see README)."
+            "HINT: use torchrun on each node, or `hydra/launcher=slurm` (see docs/cluster.md)."
         )
     return nprocs
 

@@ -6,8 +6,8 @@ strategy calls in ``setup_environment()`` before the process group exists). Ever
 raise the expected type (``TypeError`` for a wrong type, ``ValueError`` for a bad value or a
 combination that cannot work) with the project's message layout — the field in backticks, the
 value, the rule, and a ``HINT:`` with a fix — and without a process group ever being created
-(so no rank can wait on a collective because of it). README states the number of cases; the
-last test keeps that number honest.
+(so no rank can wait on a collective because of it). docs/options.md ("Bad input") states the
+number of cases; the last test keeps that number honest.
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ def test_presets_take_overrides_through_the_same_checks() -> None:
 
 
 def test_the_count_readme_states() -> None:
-    assert len(CASES) == 69  # README, "Bad input": keep both in step when adding cases
+    assert len(CASES) == 69  # docs/options.md, "Bad input": keep both in step when adding cases
 
 
 def test_pipelines_refuse_a_trainer_precision_they_would_ignore() -> None:

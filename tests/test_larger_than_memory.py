@@ -1,5 +1,5 @@
-"""examples/larger_than_memory.py, the README's "larger than one device" demonstration, at a tiny
-size so it cannot rot: the meta-built GPT trains under ``zero3`` and ``pp`` (both in one spawned
+"""examples/larger_than_memory.py, the demonstration in docs/memory.md ("Larger than this
+machine"), at a tiny size so it cannot rot: the meta-built GPT trains under ``zero3`` and ``pp`` (both in one spawned
 group), every rank holds only its part, losses are finite and the per-rank report prints."""
 
 from __future__ import annotations

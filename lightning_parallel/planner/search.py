@@ -165,7 +165,7 @@ class PlanResult:
         return "\n".join(rows)
 
     def to_json(self, limit: int = 20) -> dict[str, object]:
-        """Machine-readable form (keys documented in README's plan section)."""
+        """Machine-readable form (keys documented in docs/planner.md, "Dry run")."""
         runner = self.runner_up
         return {
             "model": self.model, "world_size": self.world_size, "hardware": self.hardware.name,

@@ -1,7 +1,9 @@
 """Test-wide settings: one intra-op thread (the machines have 2 cores, shared by spawned ranks), and
 multi-process tests fork their ranks from a server that imported torch, Lightning, transformers
 and this package once (``launcher.preloaded_workers``): each spawned rank used to spend 5-8 s of
-CPU importing them. ``LP_SPAWN_WORKERS=1`` spawns every rank from scratch instead."""
+CPU importing them. ``LP_SPAWN_WORKERS=1`` spawns every rank from scratch instead, and so does a
+machine with a CUDA device: a forked rank cannot use a CUDA driver its parent initialised, and
+whether importing these modules initialises it has not been checked on a GPU yet."""
 
 import os
 from collections.abc import Iterator
@@ -29,7 +31,7 @@ PRELOADED = (
 
 @pytest.fixture(scope="session", autouse=True)
 def preloaded_ranks() -> Iterator[None]:
-    if os.environ.get("LP_SPAWN_WORKERS") == "1":
+    if os.environ.get("LP_SPAWN_WORKERS") == "1" or torch.cuda.is_available():
         yield
         return
     with preloaded_workers(PRELOADED):

@@ -17,6 +17,7 @@ how Lightning documents writing a strategy and how every built-in strategy does 
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,6 +100,33 @@ def unwrap_optimizer(optimizer: Any) -> Any:
     return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 
+def trainer_call_weights_only() -> bool | None:
+    """The ``weights_only`` the running ``trainer.fit/validate/test/predict(...)`` call received (else None).
+
+    Why: Lightning 2.6 passes it to ``Strategy.load_checkpoint`` only for strategies that restore
+    before setup; for one that restores after setup (this package's, as Lightning's own
+    ``ModelParallelStrategy``) ``Trainer._run`` calls ``_restore_modules_and_callbacks(ckpt_path)``
+    without it, so a user's explicit ``weights_only=False`` would never arrive. It is a local of
+    ``Trainer._run``, read from the call stack (the frame running ``Trainer._run``'s code); no such
+    frame (a direct ``load_checkpoint`` call) gives None, torch's safe default. Since: 2.1 (``Trainer._run``;
+    its ``weights_only`` local since 2.6: before, the Trainer takes no such argument and this returns
+    None). Public: the ``weights_only`` argument
+    of ``Strategy.load_checkpoint``, once Lightning passes it after setup too.
+    """
+    from lightning.pytorch import Trainer
+
+    code = Trainer._run.__code__
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            if frame.f_code is code:
+                return frame.f_locals.get("weights_only")
+            frame = frame.f_back
+        return None
+    finally:
+        del frame  # a frame referenced from its own locals is a cycle
+
+
 @dataclass(frozen=True)
 class PrivateApi:
     """One private Lightning name the package uses: where it lives and what to move to."""
@@ -129,6 +157,8 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
     PrivateApi("attached_trainer", "lightning.pytorch:LightningModule.trainer", "2.1", "LightningModule.trainer"),
     PrivateApi("set_device_mesh", "lightning.pytorch:LightningModule.device_mesh", "2.3", "none"),
     PrivateApi("backward_skipped", "lightning.pytorch.loops.fit_loop:_FitLoop._skip_backward", "2.1", "none"),
+    PrivateApi("trainer_call_weights_only", "lightning.pytorch:Trainer._run", "2.1",
+               "Strategy.load_checkpoint(weights_only=...) once Lightning passes it after setup"),
 )
 
 #: Private attribute names reached only through the wrappers above (the test rejects
@@ -139,5 +169,5 @@ __all__ = [
     "LIGHTNING_LOWER_BOUND", "PRIVATE_APIS", "PRIVATE_ATTRIBUTES", "MultiProcessingLauncher", "PrivateApi",
     "SubprocessScriptLauncher", "all_gather_ddp_if_available", "attached_trainer", "backward_skipped", "default_process_group_backend_for_device",
     "destroy_dist_connection", "distributed_is_initialized", "init_dist_connection", "optimizers_to_device",
-    "set_device_mesh", "sync_ddp_if_available", "unwrap_optimizer",
+    "set_device_mesh", "sync_ddp_if_available", "trainer_call_weights_only", "unwrap_optimizer",
 ]

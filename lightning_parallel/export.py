@@ -15,6 +15,11 @@ Export streams tensor by tensor, so a model larger than this machine's memory ex
 
     python -m lightning_parallel.export CHECKPOINT OUT.pt
     python -m lightning_parallel.export CHECKPOINT OUT.safetensors
+
+Reads are weights-only, as ``torch.load``'s default: a checkpoint holding an object that could
+run code when unpickled is refused (``UnsafeCheckpointError``) unless the caller trusts it
+(``weights_only=False``, ``--no-weights-only``). A sharded directory's DCP metadata is read the
+same way (:mod:`lightning_parallel.strategies.checkpoint.safe_load`).
 """
 
 from __future__ import annotations
@@ -29,20 +34,25 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 
 from lightning_parallel.errors import config_error
 from lightning_parallel.strategies.checkpoint.files import META_FILENAME, is_sharded_checkpoint
+from lightning_parallel.strategies.checkpoint.safe_load import dcp_load, load_file, read_metadata
+
+EXPORT_HOW = ("export it with weights_only=False: `export_state_dict(checkpoint, out, weights_only=False)` (or"
+              " `load_model_state(checkpoint, weights_only=False)`; on the command line"
+              " `python -m lightning_parallel.export --no-weights-only CHECKPOINT OUT`)")
 
 _PREFIX = "state_dict."
 
 
-def load_model_state(checkpoint: str | Path) -> dict[str, torch.Tensor]:
+def load_model_state(checkpoint: str | Path, weights_only: bool | None = None) -> dict[str, torch.Tensor]:
     """The full model state dict of a sharded directory or a consolidated file (no process group).
 
     Every tensor at once (a consolidated file's memory-mapped); to write a file, use
-    :func:`export_state_dict`, which holds one tensor at a time."""
-    layout, read = _source(Path(checkpoint))
+    :func:`export_state_dict`, which holds one tensor at a time. ``weights_only``: as ``torch.load``'s
+    (``None``: weights-only); ``False`` only for a file you trust."""
+    layout, read = _source(Path(checkpoint), weights_only)
     return {name: read(name, None) for name in layout}
 
 
@@ -54,22 +64,22 @@ _SAFETENSORS_DTYPES = {
 Layout = dict[str, tuple[torch.Size, torch.dtype]]
 
 
-def _source(path: Path) -> tuple[Layout, Callable[[str, torch.Tensor | None], torch.Tensor]]:
+def _source(path: Path, weights_only: bool | None) -> tuple[Layout, Callable[[str, torch.Tensor | None], torch.Tensor]]:
     """The model tensors' layout and a reader of one tensor (into ``out`` when given), no process group."""
     if is_sharded_checkpoint(path):
-        metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        metadata = read_metadata(path, weights_only, EXPORT_HOW).state_dict_metadata
         layout = {key[len(_PREFIX):]: (torch.Size(meta.size), meta.properties.dtype)
                   for key, meta in metadata.items() if key.startswith(_PREFIX) and hasattr(meta, "size")}
 
         def read_shard(name: str, out: torch.Tensor | None) -> torch.Tensor:
             shape, dtype = layout[name]
             box = {_PREFIX + name: out if out is not None else torch.empty(shape, dtype=dtype)}
-            dcp.load(box, checkpoint_id=str(path))  # reads this one tensor's chunks only
+            dcp_load(box, path, weights_only, EXPORT_HOW)  # reads this one tensor's chunks only
             return box[_PREFIX + name]
 
         return layout, read_shard
     if path.is_file():
-        state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)["state_dict"]
+        state = load_file(path, weights_only, EXPORT_HOW, mmap=True)["state_dict"]
         tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
         return {k: (v.shape, v.dtype) for k, v in tensors.items()}, lambda name, out: tensors[name].detach()
     raise config_error(
@@ -114,15 +124,16 @@ def _write_torch(out: Path, layout: Layout, read: Callable[[str, torch.Tensor | 
         torch.save(state, out)
 
 
-def export_state_dict(checkpoint: str | Path, out: str | Path) -> Layout:
+def export_state_dict(checkpoint: str | Path, out: str | Path, weights_only: bool | None = None) -> Layout:
     """Write the model state as ``.pt`` (torch.save of plain tensors) or ``.safetensors``, tensor by
-    tensor (see the module docstring); return every exported tensor's shape and dtype."""
+    tensor (see the module docstring); return every exported tensor's shape and dtype.
+    ``weights_only``: as ``torch.load``'s (``None``: weights-only); ``False`` only for a file you trust."""
     out = Path(out)
     if out.suffix not in (".safetensors", ".pt", ".pth", ".bin"):
         raise config_error(ValueError, "out", str(out), "the file name must end in .pt, .pth, .bin or .safetensors",
                            "e.g. model.safetensors")
     path = Path(checkpoint)
-    layout, read = _source(path)
+    layout, read = _source(path, weights_only)
     out.parent.mkdir(parents=True, exist_ok=True)
     if out.suffix == ".safetensors":
         _write_safetensors(out, layout, read)
@@ -135,8 +146,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", help="a checkpoint file or sharded checkpoint directory")
     parser.add_argument("out", help="output file: .pt / .pth / .bin or .safetensors")
+    parser.add_argument("--no-weights-only", action="store_true",
+                        help="unpickle any object the checkpoint holds (weights_only=False): only for a file you trust")
     args = parser.parse_args(argv)
-    layout = export_state_dict(args.checkpoint, args.out)
+    layout = export_state_dict(args.checkpoint, args.out, weights_only=False if args.no_weights_only else None)
     numel = sum(math.prod(shape) for shape, _ in layout.values())
     print(f"wrote {len(layout)} tensors ({numel:,} values) to {args.out}")
 

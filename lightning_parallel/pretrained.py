@@ -83,6 +83,11 @@ def _source_files(path: Path) -> dict[str, Path] | Path:
                        "save the model with save_pretrained(path), or pass the weights file itself")
 
 
+_PRETRAINED_HOW = ("convert it: load_pretrained reads .bin files weights-only always, so load it once yourself"
+                   " (`torch.load(file, weights_only=False)` into the model) and save it as safetensors"
+                   " (`model.save_pretrained(path)`), which holds no code")
+
+
 class _Reader:
     """Open shard files lazily; read boxes of one key at a time, counting the bytes read."""
 
@@ -101,8 +106,11 @@ class _Reader:
                 from safetensors import safe_open
 
                 self._open[file] = self._stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
-            else:  # memory-mapped: slicing reads only the touched pages
-                self._open[file] = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+            else:  # memory-mapped: slicing reads only the touched pages; weights-only, never code
+                # (deferred: the strategies import this module)
+                from lightning_parallel.strategies.checkpoint.safe_load import load_file
+
+                self._open[file] = load_file(file, True, _PRETRAINED_HOW, mmap=True)
         return self._open[file]
 
     def _keys(self, file: Path) -> list[str]:

@@ -113,7 +113,7 @@ def test_resume_across_data_parallel_layouts(tmp_path: Path) -> None:
     from lightning_parallel.strategies.checkpoint.files import META_FILENAME, ZERO1_KEY
 
     zero1 = tmp_path / f"c{[label for label, *_ in CASES_2].index('zero1->zero1')}.ckpt"
-    assert ZERO1_KEY not in torch.load(zero1 / META_FILENAME, weights_only=False)
+    assert ZERO1_KEY not in torch.load(zero1 / META_FILENAME, weights_only=True)
     writers: dict[str, set[str]] = {}
     for index, info in dcp.FileSystemReader(str(zero1)).read_metadata().storage_data.items():
         if index.fqn.startswith("optimizer_0.state."):

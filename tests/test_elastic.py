@@ -51,7 +51,7 @@ def test_torchrun_restarts_resume_from_last_checkpoint(tmp_path: Path) -> None:
     reference = run_fit(fit_spec("auto", 1, tmp_path / "reference", "reference", crash=False))
     assert len(reference["losses"]) == SPEC_KWARGS["max_steps"]
     for index, name in enumerate(STRATEGIES):
-        result = torch.load(tmp_path / f"{name}.pt", weights_only=False)
+        result = torch.load(tmp_path / f"{name}.pt", weights_only=True)
         assert result["attempt"] == index + 1, f"{name}: crashed in attempt {index}, finished in {result['attempt']}"
         assert result["global_step"] == SPEC_KWARGS["max_steps"], name
         last_checkpoint = CRASH_AFTER_STEP // CHECKPOINT_EVERY * CHECKPOINT_EVERY  # steps after it are redone

@@ -57,7 +57,7 @@ class StepEngine(Protocol):
 
     def optimizer_state(self, optimizer: Optimizer, full: bool) -> dict[str, Any]: ...
 
-    def load(self, path: Path, fitting: bool) -> dict[str, Any]: ...
+    def load(self, path: Path, fitting: bool, weights_only: bool | None) -> dict[str, Any]: ...
 
     def configure_metrics(self, module: nn.Module) -> None: ...
 
@@ -122,9 +122,9 @@ class EagerEngine:
     def optimizer_state(self, optimizer: Optimizer, full: bool) -> dict[str, Any]:
         return ckpt.optimizer_state(self.strategy.lightning_module, optimizer, full=full)
 
-    def load(self, path: Path, fitting: bool) -> dict[str, Any]:
+    def load(self, path: Path, fitting: bool, weights_only: bool | None) -> dict[str, Any]:
         module = self.strategy.lightning_module
-        return ckpt.load_into(module, list(self.strategy.optimizers), path, strict=module.strict_loading)
+        return ckpt.load_into(module, list(self.strategy.optimizers), path, module.strict_loading, weights_only)
 
     def configure_metrics(self, module: nn.Module) -> None:
         """Sync over the data-parallel ranks (tensor-parallel peers hold the same samples); per step
@@ -171,24 +171,24 @@ class PipelineEngine:
     def optimizer_state(self, optimizer: Optimizer, full: bool) -> dict[str, Any]:
         return self.driver.checkpoint_optimizer_state(optimizer, full=full)  # strategies/checkpoint/pipeline.py
 
-    def load(self, path: Path, fitting: bool) -> dict[str, Any]:
+    def load(self, path: Path, fitting: bool, weights_only: bool | None) -> dict[str, Any]:
         """Per rank, only what its stages hold. Before the stages exist (they are traced from the
         first batch) the load waits for them: then no rank reads another stage's tensors, and a
         meta-built model has real ones to fill. ``validate/test/predict(ckpt_path=...)`` after a fit
-        (stages traced): model weights only."""
+        (stages traced): model weights only. The deferred load keeps ``weights_only`` for the first batch."""
         module = self.strategy.lightning_module
         strict = module.strict_loading
         if self.driver._runtime is None:
-            self.driver.defer_load(path, strict)
-            return ckpt.read_rest(path)
+            self.driver.defer_load(path, strict, weights_only)
+            return ckpt.read_rest(path, weights_only)
         if fitting:
             raise RuntimeError(
                 f"Resuming fit from {path} into a module whose pipeline stages are already traced (a second"
                 " fit on the same module) is not supported: its optimizer state lives in the traced layout."
                 " HINT: resume in a fresh Trainer with a freshly built module (checkpoints are layout-independent)."
             )
-        rest = self.driver.load(path, [], strict)
-        return rest if rest is not None else ckpt.read_rest(path)
+        rest = self.driver.load(path, [], strict, weights_only)
+        return rest if rest is not None else ckpt.read_rest(path, weights_only)
 
     def configure_metrics(self, module: nn.Module) -> None:
         """Only last-stage ranks update metrics (the driver replays their step values; a per-step

@@ -26,6 +26,11 @@ ZeRO-1 checkpoint loads into any layout, and any layout's into ZeRO-1, each rank
 states of the parameters it steps. A consolidated file holds it gathered on rank 0, as every
 optimizer's. (Sharded checkpoints written before kept it consolidated in ``meta.pt``
 (``ZERO1_KEY``); they still load.)
+
+Every read is weights-only unless the user passes ``weights_only=False`` (:mod:`.safe_load`), and
+everything written here (loop and RNG states, ZeRO-1 partitions, layout records) is tensors,
+primitives and containers, so a checkpoint of this package also loads with plain
+``torch.load(weights_only=True)``.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ from torch.optim import Optimizer
 from lightning_parallel.compat import process_group_device
 from lightning_parallel.parallel.tensor.fused import checkpoint_layout, restore_layout
 from lightning_parallel.parallel.data.zero1 import full_optimizer_state
+from lightning_parallel.strategies.checkpoint.safe_load import dcp_load, load_file, read_metadata, read_on_rank0
 
 META_FILENAME = "meta.pt"
 ZERO1_KEY = "zero1_optimizer_states"
@@ -104,7 +110,8 @@ def zero1_local_state(module: nn.Module, optimizer: ZeroRedundancyOptimizer) -> 
     return {"state": state, "param_groups": groups}
 
 
-def _zero1_template(module: nn.Module, optimizer: ZeroRedundancyOptimizer, path: Path, idx: int) -> dict[str, Any]:
+def _zero1_template(module: nn.Module, optimizer: ZeroRedundancyOptimizer, path: Path, idx: int,
+                    weights_only: bool | None) -> dict[str, Any]:
     """What a sharded load fills for ZeRO-1 on this rank: the states of its partition that the
     checkpoint holds. A fresh optimizer has no state yet: one step with zero gradients at lr 0 (on
     the local optimizer, no collective; parameters unchanged) creates it with the right shapes,
@@ -123,7 +130,7 @@ def _zero1_template(module: nn.Module, optimizer: ZeroRedundancyOptimizer, path:
             p.grad = grad
         for g, lr in zip(local.param_groups, lrs):
             g["lr"] = lr
-    saved = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    saved = set(read_metadata(path, weights_only).state_dict_metadata)
     names = _param_names(module)
     prefix = f"optimizer_{idx}.state."
     for p in params:
@@ -243,30 +250,34 @@ def check_shapes(expected: dict[str, tuple[int, ...]], found: dict[str, tuple[in
             )
 
 
-def _sharded_model_shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+def _sharded_model_shapes(path: Path, weights_only: bool | None) -> dict[str, tuple[int, ...]]:
+    metadata = read_metadata(path, weights_only).state_dict_metadata
     prefix = "state_dict."
     return {k[len(prefix):]: tuple(v.size) for k, v in metadata.items() if k.startswith(prefix) and hasattr(v, "size")}
 
 
 def load_into(
-    module: nn.Module, optimizers: list[Optimizer], path: Path, strict: bool
+    module: nn.Module, optimizers: list[Optimizer], path: Path, strict: bool, weights_only: bool | None = None
 ) -> dict[str, Any]:
-    """Load model and optimizer states from ``path`` (directory or file) in place; return the rest."""
+    """Load model and optimizer states from ``path`` (directory or file) in place; return the rest.
+
+    Every file is read weights-only unless ``weights_only`` is ``False`` (see :mod:`.safe_load`); a
+    sharded directory is read by every rank (a refusal stops all of them at once, before any
+    collective), a consolidated file by rank 0, which sends a refusal to the others."""
     if is_sharded_checkpoint(path):
-        meta: dict[str, Any] = torch.load(path / META_FILENAME, map_location="cpu", weights_only=False)
+        meta: dict[str, Any] = load_file(path / META_FILENAME, weights_only)
         full_states: dict[int, Any] = meta.get(ZERO1_KEY, {})  # a ZeRO-1 save of an earlier version: consolidated
         state: dict[str, Any] = {"state_dict": model_state(module, full=False)}
-        check_shapes({k: tuple(v.shape) for k, v in state["state_dict"].items()}, _sharded_model_shapes(path), path)
+        check_shapes({k: tuple(v.shape) for k, v in state["state_dict"].items()}, _sharded_model_shapes(path, weights_only), path)
         for idx, opt in enumerate(optimizers):
             if idx in full_states:
                 continue
             if isinstance(opt, ZeroRedundancyOptimizer):
-                state[f"optimizer_{idx}"] = _zero1_template(module, opt, path, idx)
+                state[f"optimizer_{idx}"] = _zero1_template(module, opt, path, idx, weights_only)
             else:
                 state[f"optimizer_{idx}"] = optimizer_state(module, opt, full=False)
         template = checkpoint_layout(state)  # packed tp parameters as plain Shard: one box per rank for DCP
-        dcp.load(template, checkpoint_id=str(path))
+        dcp_load(template, path, weights_only)
         state = restore_layout(template, state)
         set_model_state_dict(module, state["state_dict"], options=StateDictOptions(strict=strict))
         for idx, opt in enumerate(optimizers):
@@ -277,7 +288,7 @@ def load_into(
             else:
                 set_optimizer_state_dict(module, opt, state[f"optimizer_{idx}"])
         return meta
-    return _load_consolidated(module, optimizers, path, strict)
+    return _load_consolidated(module, optimizers, path, strict, weights_only)
 
 
 def _distributed() -> bool:
@@ -292,23 +303,17 @@ def _header(checkpoint: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _read_consolidated(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+def _read_consolidated(path: Path, weights_only: bool | None) -> tuple[dict[str, Any], dict[str, Any]]:
     """(the checkpoint, memory-mapped, on rank 0 and ``{}`` elsewhere; its header on every rank)."""
-    checkpoint: dict[str, Any] = {}
-    box: list[Any] = [None]
-    if not _distributed() or dist.get_rank() == 0:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-        box = [_header(checkpoint)]
-    if _distributed():
-        dist.broadcast_object_list(box, src=0)
-    return checkpoint, box[0]
+    checkpoint, header = read_on_rank0(path, lambda: load_file(path, weights_only, mmap=True), _header)
+    return checkpoint or {}, header
 
 
-def read_rest(path: Path) -> dict[str, Any]:
+def read_rest(path: Path, weights_only: bool | None = None) -> dict[str, Any]:
     """A checkpoint without its model and DCP-written optimizer tensors (loops, callbacks, schedulers)."""
     if is_sharded_checkpoint(path):
-        return torch.load(path / META_FILENAME, map_location="cpu", weights_only=False)
-    return _read_consolidated(path)[1]["rest"]
+        return load_file(path / META_FILENAME, weights_only)
+    return _read_consolidated(path, weights_only)[1]["rest"]
 
 
 def _collective_device(module: nn.Module) -> torch.device:
@@ -320,13 +325,14 @@ def _collective_device(module: nn.Module) -> torch.device:
     return process_group_device()
 
 
-def _load_consolidated(module: nn.Module, optimizers: list[Optimizer], path: Path, strict: bool) -> dict[str, Any]:
+def _load_consolidated(module: nn.Module, optimizers: list[Optimizer], path: Path, strict: bool,
+                       weights_only: bool | None) -> dict[str, Any]:
     """A consolidated file into any eager layout: rank 0 reads it (memory-mapped) and broadcasts it
     tensor by tensor; each rank keeps its shard (:func:`.pipeline_checkpoint.load_held_consolidated`,
     with every tensor held), and under ZeRO-1 the optimizer states of its partition only. One
     process loads it directly."""
     if not _distributed():
-        checkpoint, header = _read_consolidated(path)
+        checkpoint, header = _read_consolidated(path, weights_only)
         check_shapes({k: tuple(v.shape) for k, v in model_state(module, full=False).items()}, header["shapes"], path)
         set_model_state_dict(module, checkpoint["state_dict"], options=StateDictOptions(full_state_dict=True, strict=strict))
         for opt, opt_state in zip(optimizers, checkpoint.get("optimizer_states", [])):
@@ -338,7 +344,7 @@ def _load_consolidated(module: nn.Module, optimizers: list[Optimizer], path: Pat
     # ZeRO-1 steps only its partition: its local optimizer is the target, so a rank keeps the states
     # of the parameters it steps and drops the others as they are broadcast (never the whole state).
     targets = [opt.optim if isinstance(opt, ZeroRedundancyOptimizer) else opt for opt in optimizers]
-    rest = load_held_consolidated(module, targets, path, strict, {}, device)
+    rest = load_held_consolidated(module, targets, path, strict, {}, device, weights_only)
     for opt in optimizers:
         if isinstance(opt, ZeroRedundancyOptimizer):  # it copies its global groups to the local ones at each step
             for group, local in zip(opt.param_groups, opt.optim.param_groups):

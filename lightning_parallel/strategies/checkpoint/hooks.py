@@ -12,7 +12,7 @@ from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_parallel.compat_lightning import unwrap_optimizer
+from lightning_parallel.compat_lightning import trainer_call_weights_only, unwrap_optimizer
 from lightning_parallel.strategies.checkpoint import files as ckpt
 from lightning_parallel.strategies.checkpoint.resume import (
     RNG_KEY,
@@ -64,12 +64,20 @@ class CheckpointHooksMixin:
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Read ``checkpoint_path`` into whatever layout runs. ``weights_only`` is Lightning's
+        (``trainer.fit(..., weights_only=...)``), honoured as its own strategies do: ``None`` is torch's
+        default (weights-only), ``False`` the user's trust in the file; it reaches every read, the
+        pipeline's deferred one at the first batch included (:mod:`.safe_load`). Lightning 2.6 drops
+        it for a strategy that restores after setup, as this one does: then it is read from the
+        Trainer call itself (:func:`~lightning_parallel.compat_lightning.trainer_call_weights_only`)."""
+        if weights_only is None:
+            weights_only = trainer_call_weights_only()
         self.finish_pending_save()  # a checkpoint still being written in the background is complete first
         path = ckpt.local_path(self.broadcast(str(checkpoint_path)), "loading a checkpoint")
         assert self.lightning_module is not None
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         self._resume_skip_pending = fitting
-        loaded = self._engine.load(path, fitting)  # each rank reads only what it holds
+        loaded = self._engine.load(path, fitting, weights_only)  # each rank reads only what it holds
         # Restored now (right for a checkpoint at an epoch end) and again once a mid-epoch resume
         # has created its data iterator, which draws from the RNG where the saved run did not.
         self._resume_rng = loaded.get(RNG_KEY) if fitting else None

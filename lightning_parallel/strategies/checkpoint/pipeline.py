@@ -33,7 +33,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim import Optimizer
@@ -41,6 +40,7 @@ from torch.optim import Optimizer
 from lightning_parallel.parallel.pipeline.tensor import full_value
 from lightning_parallel.parallel.tensor.fused import checkpoint_layout, restore_layout
 from lightning_parallel.strategies.checkpoint.files import check_shapes
+from lightning_parallel.strategies.checkpoint.safe_load import dcp_load, load_file, read_metadata, read_on_rank0
 
 MODEL_PREFIX = "state_dict."
 _TENSOR, _VALUE = "tensor", "value"
@@ -238,12 +238,14 @@ def place_full_optimizer_state(module: nn.Module, optimizer: Optimizer, saved: d
 
 
 def load_held_sharded(module: nn.Module, optimizers: Iterable[Optimizer], path: Path, strict: bool,
-                      released: dict[str, torch.Size], full_states: dict[int, Any] | None = None) -> None:
+                      released: dict[str, torch.Size], full_states: dict[int, Any] | None = None,
+                      weights_only: bool | None = None) -> None:
     """Read from the DCP directory ``path`` exactly the entries this rank's stages hold (a collective).
 
     ``full_states``: optimizer index -> the consolidated state a ZeRO-1 run stored in ``meta.pt``
-    (not in the DCP files), placed by :func:`place_full_optimizer_state` instead."""
-    metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    (not in the DCP files), placed by :func:`place_full_optimizer_state` instead. Metadata and
+    non-tensor entries are read weights-only unless ``weights_only`` is ``False`` (:mod:`.safe_load`)."""
+    metadata = read_metadata(path, weights_only).state_dict_metadata
     full_states = full_states or {}
     held = held_names(module, released)
     model = {key: value.detach() for key, name, value in _entries(module) if name in held}
@@ -282,7 +284,7 @@ def load_held_sharded(module: nn.Module, optimizers: Iterable[Optimizer], path: 
                         values.append((entries, k, key))
     # Packed tensor-parallel parameters (_StridedShard) are read as plain Shard (one box per rank) and put back.
     laid = checkpoint_layout(template)
-    dcp.load(laid, checkpoint_id=str(path))
+    dcp_load(laid, path, weights_only)
     for key, value in restore_layout(laid, template).items():
         if isinstance(value, DTensor) and value is not template[key]:
             template[key].to_local().copy_(value.to_local())
@@ -292,28 +294,33 @@ def load_held_sharded(module: nn.Module, optimizers: Iterable[Optimizer], path: 
         del optimizer.state[p]
 
 
+def _consolidated_header(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], list[dict[str, Any]]]:
+    """What every rank needs of a consolidated file besides its tensors: the rest of the checkpoint,
+    and the shape and dtype of each model and optimizer tensor (plain values travel as they are)."""
+    rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+    model = {k: (tuple(v.shape), v.dtype) for k, v in checkpoint["state_dict"].items() if isinstance(v, Tensor)}
+    optim = [{"param_groups": s.get("param_groups", []),
+              "state": {n: {k: (_TENSOR, tuple(v.shape), v.dtype) if isinstance(v, Tensor) else (_VALUE, v)
+                            for k, v in entries.items()} for n, entries in s.get("state", {}).items()}}
+             for s in checkpoint.get("optimizer_states", [])]
+    return rest, model, optim
+
+
 def load_held_consolidated(module: nn.Module, optimizers: list[Optimizer], path: Path, strict: bool,
-                           released: dict[str, torch.Size], device: torch.device) -> dict[str, Any]:
+                           released: dict[str, torch.Size], device: torch.device,
+                           weights_only: bool | None = None) -> dict[str, Any]:
     """Load a consolidated file: rank 0 memory-maps it and broadcasts it tensor by tensor; every rank
     keeps its slice of what its stages hold. Returns the rest of the checkpoint (loops, callbacks).
 
     Also the loader of eager layouts (``released`` empty: every tensor held). Why not DCP's
     ``broadcast_from_rank0``: it slices by offset, which is wrong for packed tensor-parallel
     parameters (``_StridedShard``: GPT-2's ``c_attn``); ``distribute_tensor`` here slices them
-    right. A ZeRO-1 run passes its local optimizer: a rank keeps the states of its partition only."""
-    checkpoint: dict[str, Any] = {}
-    header: list[Any] = [None]
-    if dist.get_rank() == 0:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-        rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        model = {k: (tuple(v.shape), v.dtype) for k, v in checkpoint["state_dict"].items() if isinstance(v, Tensor)}
-        optim = [{"param_groups": s.get("param_groups", []),
-                  "state": {n: {k: (_TENSOR, tuple(v.shape), v.dtype) if isinstance(v, Tensor) else (_VALUE, v)
-                                for k, v in entries.items()} for n, entries in s.get("state", {}).items()}}
-                 for s in checkpoint.get("optimizer_states", [])]
-        header = [(rest, model, optim)]
-    dist.broadcast_object_list(header, src=0)
-    rest, model_layout, optim_layouts = header[0]
+    right. A ZeRO-1 run passes its local optimizer: a rank keeps the states of its partition only.
+    The file is read weights-only unless ``weights_only`` is ``False``; a refusal on rank 0 is sent to
+    every rank in place of the header, so all raise it together (:func:`.safe_load.read_on_rank0`)."""
+    loaded, (rest, model_layout, optim_layouts) = read_on_rank0(
+        path, lambda: load_file(path, weights_only, mmap=True), _consolidated_header)
+    checkpoint: dict[str, Any] = loaded or {}
     held = held_names(module, released)
     targets = {key: value.detach() for key, name, value in _entries(module) if name in held}
     check_shapes({k: tuple(v.shape) for k, v in targets.items()}, {k: s for k, (s, _) in model_layout.items()}, path)

@@ -139,7 +139,7 @@ class PipelineDriver(PipelineStateMixin):
         self._log_exchange: LogExchange | None = None  # the training step's logs and loss to every stage
         self._keepers: dict[str, int] = {}
         self._owned_params: list[nn.Parameter] = []  # what this rank steps, once traced (see _build)
-        self._pending_load: tuple[Path, bool] | None = None  # a checkpoint to read once the stages exist
+        self._pending_load: tuple[Path, bool, bool | None] | None = None  # (path, strict, weights_only) for the first batch
         self._moe = bool(opaque_units(module))
         self._expert_params: set[int] = set()  # ids of expert-parallel parameters (averaged over edp, not dp)
         self._sharded: set[int] = set()  # ids of parameters FSDP2 manages (ZeRO 1-3): not averaged here
@@ -245,9 +245,9 @@ class PipelineDriver(PipelineStateMixin):
         # every step (walking named_parameters each time cost 2.5 ms of a 550 ms pp2 m=8 step under cProfile).
         self._owned_params = self._runtime.owned_parameters()
         if self._pending_load is not None:  # a resume: each rank reads what its stages now hold
-            path, strict = self._pending_load
+            path, strict, weights_only = self._pending_load
             self._pending_load = None
-            self.load(path, self._optimizers(), strict)
+            self.load(path, self._optimizers(), strict, weights_only)
 
     def _optimizers(self) -> list[Any]:
         """The strategy's optimizers, unwrapped from Lightning's ``LightningOptimizer``."""

@@ -30,7 +30,7 @@ class PipelineStateMixin:
     runtime: Any
     _runtime: Any
     _keepers: dict[str, int]
-    _pending_load: tuple[Path, bool] | None
+    _pending_load: tuple[Path, bool, bool | None] | None
 
     # ------------------------------------------------------------------ full tensors
     def gather_state(self, parameters_only: bool = False) -> dict[str, Tensor]:
@@ -94,17 +94,20 @@ class PipelineStateMixin:
             return pckpt.optimizer_state_to_rank0(self.module, optimizer, self._keepers, self.group, self.device)
         return pckpt.kept_optimizer_state(self.module, optimizer, self._keepers, dist.get_rank(self.group))
 
-    def defer_load(self, path: Path, strict: bool) -> None:
+    def defer_load(self, path: Path, strict: bool, weights_only: bool | None = None) -> None:
         """Load ``path`` when the stages are traced (first batch): then each rank reads only the
-        tensors its stages hold, and a meta-built model has real tensors to load into."""
-        self._pending_load = (path, strict)
+        tensors its stages hold, and a meta-built model has real tensors to load into. The user's
+        ``weights_only`` is kept for that read: the first batch is still the same load."""
+        self._pending_load = (path, strict, weights_only)
 
-    def load(self, path: Path, optimizers: list[Any], strict: bool) -> dict[str, Any] | None:
+    def load(self, path: Path, optimizers: list[Any], strict: bool, weights_only: bool | None = None) -> dict[str, Any] | None:
         """Load model (and ``optimizers``') state into the traced stages; each rank reads what it holds.
         Returns the rest of a consolidated file's checkpoint (``None`` for a sharded directory)."""
         runtime = self.runtime
         if is_sharded_checkpoint(path):
-            zero1 = read_rest(path).get(ZERO1_KEY, {}) if optimizers else {}  # saved consolidated by a ZeRO-1 run
-            pckpt.load_held_sharded(self.module, optimizers, path, strict, runtime.released, zero1)
+            # a ZeRO-1 run of an earlier version saved its optimizer state consolidated in meta.pt
+            zero1 = read_rest(path, weights_only).get(ZERO1_KEY, {}) if optimizers else {}
+            pckpt.load_held_sharded(self.module, optimizers, path, strict, runtime.released, zero1, weights_only)
             return None
-        return pckpt.load_held_consolidated(self.module, optimizers, path, strict, runtime.released, self.device)
+        return pckpt.load_held_consolidated(self.module, optimizers, path, strict, runtime.released, self.device,
+                                            weights_only)

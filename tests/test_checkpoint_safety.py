@@ -108,9 +108,9 @@ def attempt_all(cases: list[Case], marker: str, devices: int) -> list[dict[str, 
 
 # ---------------------------------------------------------------------------------- files
 def _write_clean(tmp: Path) -> dict[str, Path]:
-    """Checkpoints written by the strategies (2 ranks, 2 steps): both formats under zero1, pp and ep."""
-    writers = {"zero1": ({"zero_stage": 1}, GPT), "pp": ({"pipeline_parallel_size": 2}, GPT),
-               "ep": ({"expert_parallel_size": 2}, MOE)}
+    """Checkpoints written by the strategies (2 ranks, 2 steps): both formats under zero1 and ep (a
+    pipeline writes the same files: test_pipeline_checkpoint.py; resharding reads any of them anywhere)."""
+    writers = {"zero1": ({"zero_stage": 1}, GPT), "ep": ({"expert_parallel_size": 2}, MOE)}
     specs, paths = [], {}
     for name, (kwargs, model) in writers.items():
         for sharded in (False, True):
@@ -215,13 +215,13 @@ def test_a_checkpoint_that_would_run_code_is_refused_everywhere(clean: dict[str,
     marker = str(tmp_path / "PAYLOAD-RAN")
     bad = {
         "gpt-file": _with_hparam(clean["zero1-file"], tmp_path / "bad-gpt.ckpt", Payload(marker)),
-        "gpt-dir": _with_hparam(clean["pp-dir"], tmp_path / "bad-gpt-dir.ckpt", Payload(marker)),
+        "gpt-dir": _with_hparam(clean["zero1-dir"], tmp_path / "bad-gpt-dir.ckpt", Payload(marker)),
         "moe-file": _with_hparam(clean["ep-file"], tmp_path / "bad-moe.ckpt", Payload(marker)),
         "moe-dir": _with_hparam(clean["ep-dir"], tmp_path / "bad-moe-dir.ckpt", Payload(marker)),
         "metadata": _with_metadata_payload(clean["zero1-dir"], tmp_path / "bad-metadata.ckpt", marker),
-        "entry": _with_entry(clean["pp-dir"], tmp_path / "bad-entry.ckpt", "optimizer_0.param_groups.0.lr", Payload(marker)),
+        "entry": _with_entry(clean["zero1-dir"], tmp_path / "bad-entry.ckpt", "optimizer_0.param_groups.0.lr", Payload(marker)),
         "trusted-file": _trusted(clean["zero1-file"], tmp_path / "trusted.ckpt"),
-        "trusted-dir": _with_entry(clean["pp-dir"], tmp_path / "trusted-dir.ckpt", "optimizer_0.param_groups.0.lr", TrustedLR(0.5)),
+        "trusted-dir": _with_entry(clean["zero1-dir"], tmp_path / "trusted-dir.ckpt", "optimizer_0.param_groups.0.lr", TrustedLR(0.5)),
     }
     from omegaconf import OmegaConf
 

@@ -47,10 +47,12 @@ WRONG_TYPE: list[tuple[str, dict[str, Any], int | None, type[Exception], str]] =
     ("save_distributed_checkpoint str", {"save_distributed_checkpoint": "no"}, None, TypeError, "save_distributed_checkpoint"),
     ("process_group_backend int", {"process_group_backend": 3}, None, TypeError, "process_group_backend"),
     ("max_nonfinite_skips str", {"max_nonfinite_skips": "3"}, None, TypeError, "max_nonfinite_skips"),
+    ("tensor_parallel_min_split str", {"tensor_parallel_min_split": "half"}, None, TypeError, "tensor_parallel_min_split"),
 ]
 
 OUT_OF_RANGE: list[tuple[str, dict[str, Any], int | None, type[Exception], str]] = [
     ("zero_stage 4", {"zero_stage": 4}, None, ValueError, "zero_stage"),
+    ("tensor_parallel_min_split 1.5", {"tensor_parallel_min_split": 1.5}, None, ValueError, "tensor_parallel_min_split"),
     ("zero_stage -1", {"zero_stage": -1}, None, ValueError, "zero_stage"),
     ("tensor_parallel_size 0", {"tensor_parallel_size": 0}, None, ValueError, "tensor_parallel_size"),
     ("tensor_parallel_size word", {"tensor_parallel_size": "two"}, None, ValueError, "tensor_parallel_size"),
@@ -135,7 +137,7 @@ def test_presets_take_overrides_through_the_same_checks() -> None:
 
 
 def test_the_count_readme_states() -> None:
-    assert len(CASES) == 69  # docs/options.md, "Bad input": keep both in step when adding cases
+    assert len(CASES) == 71  # docs/options.md, "Bad input": keep both in step when adding cases
 
 
 def test_pipelines_refuse_a_trainer_precision_they_would_ignore() -> None:

@@ -27,6 +27,7 @@ from torch import nn
 
 from lightning_parallel.testing import run_distributed
 from lightning_parallel.testing.parity import FitSpec, run_fit
+from lightning_parallel.testing.real_models import HFCausalLM
 from tests.test_data_parallel import HYBRID, _reference, assert_parity
 
 HF = "lightning_parallel.testing.real_models:HFCausalLM"
@@ -62,6 +63,25 @@ TP2_CASES: list[tuple[str, FitSpec]] = [
 # the classifier kept whole, so each rank holds about 60% of it.
 VIT = FitSpec(model=VISION, model_kwargs={"arch": "vit"}, data="lightning_parallel.testing.real_models:image_data",
               global_batch=8, max_steps=5, trainer_kwargs={"gradient_clip_val": 0.05})
+
+
+class FalconCausalLM(HFCausalLM):
+    """transformers' Falcon: multi-query attention, attention and MLP in parallel from one norm, and
+    an in-place add into the attention output (``mlp_output += attention_output``): a region's output
+    must behave like an ordinary tensor (issue 26: it was a view made inside a custom Function)."""
+
+    def __init__(self) -> None:
+        super().__init__(family="llama", n_layer=1)
+        import transformers
+
+        config = transformers.FalconConfig(vocab_size=64, hidden_size=32, num_attention_heads=4, num_hidden_layers=2,
+                                           multi_query=True, parallel_attn=True, new_decoder_architecture=False,
+                                           hidden_dropout=0.0, attention_dropout=0.0, bias=False)
+        self.model = transformers.FalconForCausalLM(config)
+
+
+# Multi-query: the single key/value head stays whole, so each rank holds about 61% of Falcon.
+FALCON = dataclasses.replace(_hf("llama"), model="tests.test_hf_tp:FalconCausalLM", model_kwargs={})
 RESNET_TP = FitSpec(model=VISION, model_kwargs={"arch": "resnet"}, data="lightning_parallel.testing.real_models:image_data",
                     global_batch=8, max_steps=5, strategy="tp", devices=2)
 
@@ -93,10 +113,11 @@ def test_hf_models_tp2_match_single_process_and_resnet_refused() -> None:
     # HF models derive masks and RoPE from the embedding output's length: sequence parallelism is refused.
     sequence_parallel = dataclasses.replace(
         _hf("llama"), strategy={"class": HYBRID, "tensor_parallel_size": 2, "sequence_parallel": True}, devices=2)
-    specs = [dataclasses.replace(spec, strategy="tp", devices=2) for _, spec in cases] + [sequence_parallel, RESNET_TP]
-    results = run_distributed(fits_or_errors, 2, specs, init_backend=None, timeout=900)[0]
+    specs = [dataclasses.replace(spec, strategy="tp", devices=2) for _, spec in [*cases, ("falcon", FALCON)]]
+    results = run_distributed(fits_or_errors, 2, [*specs, sequence_parallel, RESNET_TP], init_backend=None, timeout=900)[0]
     for (label, spec), result in zip(cases, results):
         _assert_tp_parity(label, result, spec, max_local=0.6)
+    _assert_tp_parity("falcon (in-place add into a region's output)", results[len(cases)], FALCON, max_local=0.65)
     assert results[-2].get("error") == "ValueError", results[-2]
     assert "Hugging Face transformers model" in results[-2]["message"] and "sequence_parallel=false" in results[-2]["message"]
     refused = results[-1]

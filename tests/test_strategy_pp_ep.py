@@ -125,7 +125,8 @@ def _worker(ckpt_dir: str) -> dict[str, Any]:
         dataclasses.replace(MOE_SPEC, strategy=_pp(pipeline_schedule="gpipe", zero_stage=1), devices=4),  # experts replicated
         dataclasses.replace(MOE_SPEC, strategy="3d", devices=4),
         dataclasses.replace(HF_SPEC, strategy=_pp(expert_parallel_size=2), devices=4),
-        dataclasses.replace(MOE_SPEC, strategy=_pp(tensor_parallel_size=2), devices=4),  # MoE layers replicated over tp
+        # MoE layers replicated over tp: 14% of the parameters split, so the partial split is accepted explicitly
+        dataclasses.replace(MOE_SPEC, strategy=_pp(tensor_parallel_size=2, tensor_parallel_min_split=0.0), devices=4),
         dataclasses.replace(ZB_SPEC, strategy=_pp(expert_parallel_size=2, pipeline_schedule="zbv", microbatches=4), devices=4),
         dataclasses.replace(MOE_SPEC, strategy=_pp(expert_parallel_size=2, zero_stage=3), devices=4),
     ]

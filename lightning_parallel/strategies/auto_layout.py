@@ -9,6 +9,7 @@ not run, is rejected with the strategy's own message, not chosen and then refuse
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -30,8 +31,20 @@ def _compute_dtype(strategy: Any) -> str:
 def engine_check(strategy: Any, module: nn.Module) -> Any:
     """A ``Layout -> reason | None`` callable with the strategy's validation rules for that layout."""
     from lightning_parallel.parallel.compile import check_compile_layout
+    from lightning_parallel.parallel.experts.apply import find_expert_modules
+    from lightning_parallel.parallel.tensor.plan import resolve_tp_plan
+    from lightning_parallel.parallel.tensor.split_share import check_split_share
     from lightning_parallel.strategies.options import check_pipeline_precision, validate_options
     from lightning_parallel.strategies.pipeline.config import resolve_pipeline_config
+
+    @functools.cache
+    def split_checked(tp: int, ep: int) -> None:
+        import warnings
+
+        with warnings.catch_warnings():  # the plan's notes are for the layout chosen, not each candidate
+            warnings.simplefilter("ignore")
+            plan = resolve_tp_plan(module, tp, user_plan=strategy.tp_plan, strict=strategy.strict_plan, split_experts=ep == 1)
+        check_split_share(module, plan, strategy.tensor_parallel_min_split, find_expert_modules(module) if ep > 1 else {})
 
     def check(layout: Layout) -> str | None:
         degrees = {
@@ -46,6 +59,8 @@ def engine_check(strategy: Any, module: nn.Module) -> Any:
                 sequence_parallel=strategy.sequence_parallel, tp_plan=strategy.tp_plan, loss_parallel=strategy.loss_parallel,
             )
             check_compile_layout(getattr(strategy, "_compile_kwargs", None), layout.pp, layout.tp)  # compiled blocks
+            if layout.tp > 1:  # a tp degree whose plan splits too little would be refused (split_share.py)
+                split_checked(layout.tp, layout.ep)
             if layout.pp > 1:
                 check_pipeline_precision(strategy.precision_plugin, layout)  # Trainer(precision) != 32-true
                 resolve_pipeline_config(

@@ -50,6 +50,7 @@ from lightning_parallel.compat_lightning import (
 from lightning_parallel.parallel.compile import check_compile_layout, compile_kwargs
 from lightning_parallel.planner.auto_degrees import DegreeChoice
 from lightning_parallel.parallel.dims import Degree, ParallelDims
+from lightning_parallel.parallel.tensor.split_share import DEFAULT_MIN_SPLIT
 from lightning_parallel.parallel.tensor.plan import TensorParallelPlan
 from lightning_parallel.strategies import precision as prec
 from lightning_parallel.strategies.layer_sync import check_layer_sync
@@ -89,6 +90,9 @@ class HybridParallelStrategy(LayoutMixin, StepHooksMixin, CollectivesMixin, Chec
         tp_plan: module-name glob -> style (``colwise``, ``rowwise``, ...), overriding the model's
             declared plan and the inferred one.
         strict_plan: a module that cannot be split by ``tensor_parallel_size`` is an error, not a warning.
+        tensor_parallel_min_split: the least fraction of the parameters tensor parallelism must split
+            (those another axis divides, the experts under ``expert_parallel_size``, count as split);
+            a plan below it is an error (``parallel/tensor/split_share.py``). 0 accepts any plan.
         sequence_parallel: shard norms and dropout along the sequence between tensor-parallel regions.
         loss_parallel: keep the LM head's logits sharded over the vocabulary inside the steps and compute
             ``F.cross_entropy`` on the shards (``torch``'s ``loss_parallel``), never gathering the full
@@ -135,6 +139,7 @@ class HybridParallelStrategy(LayoutMixin, StepHooksMixin, CollectivesMixin, Chec
         data_parallel_replicate_size: Degree = "auto",
         tp_plan: dict[str, str] | None = None,
         strict_plan: bool = False,
+        tensor_parallel_min_split: float = DEFAULT_MIN_SPLIT,
         sequence_parallel: bool = False,
         loss_parallel: bool = False,
         pipeline_schedule: str = "1f1b",
@@ -189,6 +194,7 @@ class HybridParallelStrategy(LayoutMixin, StepHooksMixin, CollectivesMixin, Chec
             find_unused_parameters=find_unused_parameters,
             save_distributed_checkpoint=save_distributed_checkpoint,
             process_group_backend=process_group_backend,
+            tensor_parallel_min_split=tensor_parallel_min_split,
             async_save=async_save,
         )
         validate_nonfinite(on_nonfinite, max_nonfinite_skips)
@@ -214,6 +220,7 @@ class HybridParallelStrategy(LayoutMixin, StepHooksMixin, CollectivesMixin, Chec
         self.hybrid_shard = hybrid_shard
         self.tp_plan = dict(tp_plan) if tp_plan else None
         self.strict_plan = strict_plan
+        self.tensor_parallel_min_split = float(tensor_parallel_min_split)
         self.sequence_parallel = sequence_parallel
         self.loss_parallel = loss_parallel
         self._tp_resolved: TensorParallelPlan | None = None

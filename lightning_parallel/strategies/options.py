@@ -184,6 +184,7 @@ def validate_more_options(
     save_distributed_checkpoint: Any,
     process_group_backend: Any,
     async_save: Any = False,
+    tensor_parallel_min_split: Any = 0.5,
 ) -> None:
     """The options that do not depend on the world size and that ``validate_options`` leaves out:
     checked in ``__init__`` too, so that a typo fails at construction (not when the first batch
@@ -191,6 +192,11 @@ def validate_more_options(
     from lightning_parallel.parallel.pipeline.schedules import resolve_virtual_stages, schedule_spec
 
     spec = schedule_spec(pipeline_schedule)
+    share = tensor_parallel_min_split
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 <= share <= 1.0:
+        raise config_error(ValueError if isinstance(share, (int, float)) and not isinstance(share, bool) else TypeError,
+                           "tensor_parallel_min_split", share, "it is a fraction of the parameters, a number in [0, 1]",
+                           "pass e.g. tensor_parallel_min_split=0.5 (the default), or 0 to accept any tensor-parallel plan")
     _check_auto_or_positive_int("microbatches", microbatches, "4")
     _check_auto_or_positive_int("virtual_stages", virtual_stages, "2")
     resolve_virtual_stages(spec, virtual_stages)

@@ -180,12 +180,15 @@ def full_value(value: Any) -> Any:
 
 
 class _Settle(torch.autograd.Function):
-    """``AsyncCollectiveTensor`` -> the plain tensor it stands for, waited for; the gradient as is."""
+    """``AsyncCollectiveTensor`` -> a plain tensor with its value, waited for; the gradient as is."""
 
     @staticmethod
     def forward(ctx: Any, value: Tensor) -> Tensor:  # type: ignore[override]
-        done = value.wait()
-        return done.view_as(done)  # a fresh tensor: autograd writes its metadata into the output
+        # A copy, not the waited tensor or a view of it: the caller may update the region's output in
+        # place (Falcon adds into its attention output), which autograd forbids on a view made in a
+        # custom Function, and autograd writes its metadata into the output (the waited tensor is the
+        # collective's buffer). One activation-sized copy per region output, freed with the buffer.
+        return value.wait().clone()
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tensor:  # type: ignore[override]

@@ -5,7 +5,8 @@ ranks train the package's GPT through ``Trainer`` for ``--steps`` steps in ``--p
 (``bf16-mixed`` by default) with ``compile_blocks`` where the strategy allows it (dp, ZeRO, ep, tp;
 not pp, which refuses it: see ``parallel/compile.py``). Per strategy it prints the median
 step time after ``--warmup`` steps, tokens/s over all ranks, the busiest rank's
-``torch.cuda.max_memory_allocated`` during training, MFU (model FLOPs ``6 N + 12 L h s`` per token
+``torch.cuda.max_memory_allocated`` during training and beside it ``max_memory_reserved`` (the caching
+allocator's hold; the strategies turn on expandable segments, see ``parallel/allocator.py``), MFU (model FLOPs ``6 N + 12 L h s`` per token
 over the device's dense bf16 peak from ``planner/hardware.py``), and each ratio to the baseline.
 
 One GPU runs every strategy that trains on one device (pipelines and tensor parallelism need two
@@ -58,6 +59,7 @@ def _timer() -> Any:
             self.times: list[float] = []
             self.peak = 0
             self._start = 0.0
+            self.reserved = 0
 
         def _sync(self, device: torch.device) -> None:
             if device.type == "cuda":
@@ -76,6 +78,8 @@ def _timer() -> Any:
             self.times.append(time.perf_counter() - self._start)
             if pl_module.device.type == "cuda":
                 self.peak = max(self.peak, torch.cuda.max_memory_allocated(pl_module.device))
+                # reserved: what the caching allocator holds (allocated + its cache and fragmentation)
+                self.reserved = max(self.reserved, torch.cuda.max_memory_reserved(pl_module.device))
 
     return StepTimer()
 
@@ -115,7 +119,7 @@ def _fit(label: str, name: Any, compile_ok: bool, devices: int, args: argparse.N
     data = token_data(args.batch * args.steps, seq, kw["vocab_size"])
     trainer.fit(model, DataLoader(data, batch_size=args.batch // replicas))
     params = sum(p.numel() for p in GPT(**kw).parameters()) if trainer.global_rank == 0 else 0
-    return {"times": timer.times, "peak": timer.peak, "params": params}
+    return {"times": timer.times, "peak": timer.peak, "reserved": timer.reserved, "params": params}
 
 
 def _run(label: str, name: Any, compile_ok: bool, devices: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -127,6 +131,7 @@ def _run(label: str, name: Any, compile_ok: bool, devices: int, args: argparse.N
     tokens = args.batch * kw["block_size"]
     flops_per_token = 6 * per_rank[0]["params"] + 12 * kw["n_layer"] * kw["n_embd"] * kw["block_size"]
     return {"step_s": step, "tokens_per_s": tokens / step, "peak_bytes": max(r["peak"] for r in per_rank),
+            "reserved_bytes": max(r["reserved"] for r in per_rank),
             "model_flops_per_s": flops_per_token * tokens / step}
 
 
@@ -167,7 +172,7 @@ def main() -> None:
             results[label] = {"error": str(error).strip().splitlines()[-1][:300]}
     base = results.get("lightning", {})
     print(f"GPT {args.size} on {devices} x {args.device}, {args.precision}, global batch {args.batch}, compile={args.compile}")
-    print(f"{'layout':10} {'step ms':>9} {'tokens/s':>11} {'vs L':>6} {'peak GiB':>9} {'vs L':>6} {'MFU':>6}")
+    print(f"{'layout':10} {'step ms':>9} {'tokens/s':>11} {'vs L':>6} {'peak GiB':>9} {'vs L':>6} {'MFU':>6} {'reserved GiB':>12} {'res/alloc':>9}")
     for label, r in results.items():
         if "error" in r:
             print(f"{label:10} failed: {r['error']}")
@@ -176,7 +181,7 @@ def main() -> None:
         memory = r["peak_bytes"] / base["peak_bytes"] if base.get("peak_bytes") else float("nan")
         mfu = r["model_flops_per_s"] / devices / peak if peak else float("nan")
         print(f"{label:10} {r['step_s'] * 1e3:9.1f} {r['tokens_per_s']:11.0f} {speed:6.2f} {r['peak_bytes'] / 2**30:9.2f}"
-              f" {memory:6.2f} {mfu:6.1%}")
+              f" {memory:6.2f} {mfu:6.1%} {r['reserved_bytes'] / 2**30:12.2f} {r['reserved_bytes'] / max(1, r['peak_bytes']):9.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=2, default=str))
 

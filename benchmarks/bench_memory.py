@@ -15,7 +15,14 @@ stages in the first step, so for them the second point includes it) and after th
   built; the set-up peak is reset at ``on_train_start`` so the second number is training's own;
 * peak RSS growth over the process at start (``VmHWM`` after ``clear_refs``; includes the
   allocator's caching and everything that is not a tensor);
-* the parameters and gradients each rank holds after the last step (local storage).
+* the parameters and gradients each rank holds after the last step (local storage);
+* the step time (mean after the first step), and with ``--compare-unpinned`` the same layout run
+  again with glibc's dynamic mmap threshold (``parallel/allocator.py`` switched off): peak RSS and the
+  step-time ratio, pinned / dynamic.
+
+Per layout a second line gives the peak RSS growth per rank (the larger of set-up and training)
+in units of the whole model's parameter bytes P, beside the tensor-exact training peak and the ideal
+(share + activations), also in P.
 
 Share per rank: ``(P + G) / ranks`` (``P + G`` for ``ddp``, which replicates). The ideal, as the
 issue defines it, is the share plus the activations the layout keeps: measured per rank on the run
@@ -36,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 import weakref
 from pathlib import Path
 from typing import Any
@@ -53,6 +61,8 @@ LAYOUTS: dict[str, Any] = {
     "pp": "pp",
     "dp2xtp2": {"class": HYBRID, "tensor_parallel_size": 2, "zero_stage": 3},
     "3d": "3d",
+    "zero2": "zero2",
+    "zero3_offload": "zero3_offload",
 }
 
 
@@ -197,8 +207,13 @@ def _worker(args: argparse.Namespace, layout: str) -> dict[str, Any]:
     from lightning_parallel.testing.parity import _make_strategy, token_data
 
     torch.set_num_threads(1)
+    if args.unpinned:  # glibc's dynamic mmap threshold left as it is (the comparison run)
+        import lightning_parallel.parallel.allocator as allocator
+
+        allocator.pin_host_allocator = lambda *a, **k: False  # type: ignore[assignment]
     _reset_peak_rss()
     base_rss = _status("VmRSS")
+    step_times: list[float] = []
     tracker = LiveBytes()
     saved = SavedActivations()
     points: dict[str, dict[str, Any]] = {}
@@ -208,6 +223,12 @@ def _worker(args: argparse.Namespace, layout: str) -> dict[str, Any]:
                 "site": tracker.peak_site}
 
     class Points(pl.Callback):
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            self.t0 = time.perf_counter()
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            step_times.append(time.perf_counter() - self.t0)
+
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
             points["setup"] = snapshot()
             tracker.peak = tracker.current  # the training peak from here on
@@ -243,7 +264,8 @@ def _worker(args: argparse.Namespace, layout: str) -> dict[str, Any]:
         trainer.fit(model, loader)
     points["train"] = snapshot()
     dims = getattr(trainer.strategy, "parallel_dims", None)
-    return {"points": points, "dims": dims.describe() if dims is not None else "ddp",
+    later = step_times[1:] or step_times  # the first step builds pipelines and warms up
+    return {"points": points, "dims": dims.describe() if dims is not None else "ddp", "step_s": sum(later) / len(later),
             "loss": float(trainer.callback_metrics.get("train_loss", torch.tensor(float("nan"))))}
 
 
@@ -266,6 +288,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4, help="global batch")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
+    parser.add_argument("--compare-unpinned", action="store_true",
+                        help="run each layout again with glibc's dynamic mmap threshold (parallel/allocator.py off): RSS and step-time ratios")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     P = _model_bytes(args)
@@ -275,6 +299,7 @@ def main() -> None:
     print(f"{'layout':14} {'mesh':44} {'set-up MiB':>10} {'x share':>7} {'train MiB':>9} {'x share':>7} "
           f"{'activ. MiB':>10} {'x ideal':>7} {'params+grads MiB':>16} {'x share':>7} {'RSS set-up/train MiB':>20}")
     for layout in args.layouts.split(","):
+        args.unpinned = False
         results = run_distributed(_worker, args.ranks, args, layout, init_backend=None, timeout=3000)
         share = 2 * P if layout == "ddp" else 2 * P / args.ranks  # params + grads per rank, ideally
         setup = max(r["points"]["setup"]["tracked"] for r in results)
@@ -289,6 +314,18 @@ def main() -> None:
               f"{rss[0] / mib:9.0f}/{rss[1] / mib:.0f}   loss {results[0]['loss']:.4f}", flush=True)
         worst = max(results, key=lambda r: r["points"]["train"]["tracked"])
         print(f"{'':14} training peak at: {worst['points']['train']['site']}", flush=True)
+        rss_peak = max(max(r["points"]["setup"]["rss"], r["points"]["train"]["rss"]) for r in results)
+        rss_ideal = max(share + r["points"]["train"]["activations"] for r in results)
+        step = max(r["step_s"] for r in results)
+        line = (f"{'':14} peak RSS growth per rank {rss_peak / P:.2f} P (tensor-exact {train / P:.2f} P, ideal {rss_ideal / P:.2f} P;"
+                f" x ideal {rss_peak / rss_ideal:.2f}), step {step:.2f} s")
+        if args.compare_unpinned:
+            args.unpinned = True
+            other = run_distributed(_worker, args.ranks, args, layout, init_backend=None, timeout=3000)
+            rss_other = max(max(r["points"]["setup"]["rss"], r["points"]["train"]["rss"]) for r in other)
+            step_other = max(r["step_s"] for r in other)
+            line += f"; glibc's dynamic threshold: {rss_other / P:.2f} P, step {step_other:.2f} s (pinned / dynamic step time {step / step_other:.2f})"
+        print(line, flush=True)
     print("share = (P + grads) / ranks (ddp: P + grads, it replicates); activ. = peak bytes autograd saved for backward"
           " (parameters excluded); ideal = share + that rank's activations (the set-up keeps none: its ideal is the"
           " share); worst rank per column. The rest of a training peak is the layout's transient copies (FSDP2's"

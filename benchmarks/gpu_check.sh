@@ -3,7 +3,8 @@
 #   bash benchmarks/gpu_check.sh            # from the repository root, in the project's venv
 # 1. the CUDA tests (tests/gpu: NCCL parity matrix on 2+ GPUs, 3d on 4+, bf16 + compile on one);
 # 2. every strategy that fits the GPUs trains the ~125M GPT in bf16-mixed with compiled blocks,
-#    beside plain Lightning on the same model: step time, tokens/s, peak memory, MFU, ratios.
+#    beside plain Lightning on the same model: step time, tokens/s, peak memory (allocated and
+#    reserved), MFU, ratios.
 # Output goes to stdout and gpu_check/ (JSON), for docs/gpu.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."

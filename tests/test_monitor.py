@@ -137,3 +137,8 @@ def test_setup_peak_is_reported_beside_the_training_peak(tmp_path: Path) -> None
     # The scratch buffer was returned to the OS before training: the training window does not see it.
     assert training < setup - SETUP_BYTES // 2, summary
     assert json.loads((tmp_path / "parallelism.json").read_text())["setup_peak_memory_bytes_per_rank"] == [setup]
+    # The process's own peak RSS beside it (on the CPU the same window, so the same figures); no CUDA here.
+    assert summary["peak_rss_kind"] == "cpu_peak_rss" and summary["setup_peak_rss_bytes_per_rank"][0] >= SETUP_BYTES
+    assert summary["peak_rss_bytes_per_rank"][0] < setup - SETUP_BYTES // 2, summary
+    assert summary["cuda_max_memory_reserved_bytes_per_rank"] == [None]
+    assert trainer.callback_metrics["mem/peak_rss_bytes"] > 0

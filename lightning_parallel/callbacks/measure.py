@@ -124,7 +124,9 @@ class PeakWindow:
     """Peak memory between :meth:`start` and :meth:`read` (one window at a time per process).
 
     On a GPU, ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``: every tensor
-    allocated at some point of the window, including those alive when it opened. On the CPU,
+    allocated at some point of the window, including those alive when it opened; beside it
+    :meth:`read_reserved` (``max_memory_reserved``) and, on every device, :meth:`read_host` (the
+    process's peak RSS). On the CPU,
     the peak resident set: Linux resets the high-water mark ``VmHWM`` to the current RSS when
     ``5`` is written to ``/proc/self/clear_refs``, so the figure is the largest RSS seen inside the
     window (what was resident when it opened included). Where that reset is not possible the
@@ -134,18 +136,26 @@ class PeakWindow:
 
     def __init__(self) -> None:
         self._kind: str | None = None
+        self._host_reset = False
 
     def start(self, device: torch.device) -> None:
+        host = self._reset_host()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
             self._kind = "cuda_max_memory_allocated"
             return
+        self._kind = "cpu_peak_rss" if host else "cpu_peak_rss_since_start"
+
+    def _reset_host(self) -> bool:
+        """Reset the process's RSS high-water mark (also on a GPU: host staging lives there); True if reset."""
         try:
             _CLEAR_REFS.write_text("5")
-            self._kind = "cpu_peak_rss" if _peak_rss_now() is not None else "cpu_peak_rss_since_start"
         except OSError:
-            self._kind = "cpu_peak_rss_since_start"
+            self._host_reset = False
+        else:
+            self._host_reset = _peak_rss_now() is not None
+        return self._host_reset
 
     @property
     def started(self) -> bool:
@@ -160,6 +170,22 @@ class PeakWindow:
         if peak is None:
             return peak_memory_bytes(device)[0], "cpu_peak_rss_since_start"
         return peak, "cpu_peak_rss"
+
+    def read_host(self) -> tuple[int, str]:
+        """(peak RSS of the process since :meth:`start`, its kind), on any device: the number a
+        cluster's memory limit kills a process by, allocator caching and non-tensor memory included."""
+        peak = _peak_rss_now() if self._host_reset else None
+        if peak is None:
+            return peak_memory_bytes(torch.device("cpu"))[0], "cpu_peak_rss_since_start"
+        return peak, "cpu_peak_rss"
+
+    @staticmethod
+    def read_reserved(device: torch.device) -> int | None:
+        """CUDA: the caching allocator's peak reserved bytes since :meth:`start` (what the device really
+        gave the process; above ``max_memory_allocated`` by the allocator's cache and fragmentation)."""
+        if device.type != "cuda":
+            return None
+        return int(torch.cuda.max_memory_reserved(device))
 
 
 class _TimedWork(dist.distributed_c10d.Work):

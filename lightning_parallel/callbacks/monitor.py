@@ -4,7 +4,9 @@ A Lightning callback, so it works with any strategy (ours or Lightning's) and an
 Per training batch it logs global samples/s and tokens/s, step time and the fraction of the
 step this rank spent blocked in collectives (see :mod:`lightning_parallel.callbacks.measure`
 for what is and is not counted); once per run it records what each rank holds (parameters,
-gradients, optimizer state) and its peak memory over two windows: *set-up* (from the
+gradients, optimizer state) and its peak memory over two windows (CUDA ``max_memory_allocated`` and
+``max_memory_reserved`` on a GPU; on every device the process's peak RSS, the number a cluster's
+memory limit kills it by): *set-up* (from the
 callback's ``setup`` hook, right after the process group exists, through ``configure_model``,
 the strategy's layout and materialisation and a checkpoint restore, to the first training
 batch) and *training* (from the first training batch to the end of ``fit``; a pipeline traces
@@ -86,6 +88,8 @@ class ParallelismMonitor(Callback):
         self.summary: dict[str, Any] | None = None
         self._window = PeakWindow()
         self._setup_peak: tuple[int, str] | None = None
+        self._setup_host: tuple[int, str] | None = None
+        self._setup_reserved: int | None = None
         self._reset()
 
     def _reset(self) -> None:
@@ -106,6 +110,7 @@ class ParallelismMonitor(Callback):
         if self._setup_peak is None and self._window.started:
             device = trainer.strategy.root_device
             self._setup_peak = self._window.read(device)
+            self._setup_host, self._setup_reserved = self._window.read_host(), self._window.read_reserved(device)
             self._window.start(device)
 
     @override
@@ -159,6 +164,11 @@ class ParallelismMonitor(Callback):
             metrics["perf/comm_share"] = min(1.0, comm_s / step_s) if step_s > 0 else 0.0
         if self._state is not None:
             metrics["mem/state_bytes"] = float(self._state["total"])
+        if self._window.started:  # the process's peak RSS in the training window so far (what a cluster limit sees)
+            metrics["mem/peak_rss_bytes"] = float(self._window.read_host()[0])
+            reserved = self._window.read_reserved(trainer.strategy.root_device)
+            if reserved is not None:
+                metrics["mem/cuda_max_reserved_bytes"] = float(reserved)
         for key, value in metrics.items():
             bar = self.prog_bar and key in ("perf/samples_per_s", "perf/comm_share")
             pl_module.log(key, value, on_step=True, on_epoch=False, prog_bar=bar, logger=bool(trainer.loggers), batch_size=1)
@@ -201,6 +211,7 @@ class ParallelismMonitor(Callback):
         device = trainer.strategy.root_device
         peak, kind = self._window.read(device) if self._window.started else PeakWindow().read(device)
         setup_peak, setup_kind = self._setup_peak or (None, None)
+        host, host_kind = self._window.read_host() if self._window.started else PeakWindow().read_host()
         return {
             "steps": len(steps),
             "step_seconds": step_s / len(steps) if steps else None,
@@ -212,6 +223,11 @@ class ParallelismMonitor(Callback):
             "peak_memory_kind": kind,
             "setup_peak_memory_bytes": setup_peak,
             "setup_peak_memory_kind": setup_kind,
+            "peak_rss_bytes": host,
+            "peak_rss_kind": host_kind,
+            "setup_peak_rss_bytes": self._setup_host[0] if self._setup_host else None,
+            "cuda_max_memory_reserved_bytes": self._window.read_reserved(device) if self._window.started else None,
+            "setup_cuda_max_memory_reserved_bytes": self._setup_reserved,
         }
 
     def _combine(self, trainer: pl.Trainer, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
@@ -243,6 +259,11 @@ class ParallelismMonitor(Callback):
             "peak_memory_kind": first["peak_memory_kind"],
             "setup_peak_memory_bytes_per_rank": [r["setup_peak_memory_bytes"] for r in per_rank],
             "setup_peak_memory_kind": first["setup_peak_memory_kind"],
+            "peak_rss_bytes_per_rank": [r["peak_rss_bytes"] for r in per_rank],
+            "peak_rss_kind": first["peak_rss_kind"],
+            "setup_peak_rss_bytes_per_rank": [r["setup_peak_rss_bytes"] for r in per_rank],
+            "cuda_max_memory_reserved_bytes_per_rank": [r["cuda_max_memory_reserved_bytes"] for r in per_rank],
+            "setup_cuda_max_memory_reserved_bytes_per_rank": [r["setup_cuda_max_memory_reserved_bytes"] for r in per_rank],
             "peak_memory_windows": "setup: callback setup (process group up) to the first training batch;"
                                    " training: first training batch to the end of fit",
         }

@@ -47,6 +47,7 @@ from torch import Tensor, nn
 
 from lightning_parallel.compat_lightning import attached_trainer, unwrap_optimizer
 from lightning_parallel.nn.moe import MoEStats, moe_stats_log, set_moe_loss_coefs, set_moe_stats_group
+from lightning_parallel.parallel.allocator import release_host_memory
 from lightning_parallel.parallel.dims import DP, EP, PP, TP
 from lightning_parallel.parallel.errors import config_error
 from lightning_parallel.parallel.blocks import find_repeated_blocks
@@ -199,6 +200,7 @@ class PipelineDriver(PipelineStateMixin):
         scaler = grad_scaler(self.strategy.precision_plugin)  # 16-mixed: the schedule backpropagates the scaled loss
         self._runtime.loss_scale = scaler.scale if scaler is not None else None
         self._runtime.release_non_owned()
+        release_host_memory()  # tracing's garbage (export's fake tensors, graphs of the other stages) off the heap
         whole = unit_parameter_names(self.module)  # MoE layers' parameters: kept out of tp and ZeRO (see below)
         if self._moe and self.dims.dp > 1:  # balance losses over the global microbatch
             set_moe_stats_group(self.module, self.dims.axis(DP).get_group())

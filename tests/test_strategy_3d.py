@@ -44,13 +44,34 @@ class CountingGPT(GPT):
 SPEC = dataclasses.replace(GPT_SPEC, model="tests.test_strategy_3d:CountingGPT", trainer_kwargs={"gradient_clip_val": 0.5})
 
 
+class ConfiguredGPT(CountingGPT):
+    """Lightning's idiom for large models: the layers are created in ``configure_model()``, so the
+    module has no parameters when ``3d`` chooses its degrees (planned on a meta-device twin)."""
+
+    LAYERS = ("tok_emb", "pos_emb", "blocks", "ln_f", "lm_head")
+
+    def __init__(self, **kwargs: Any) -> None:
+        with torch.random.fork_rng(devices=[]):  # the base class builds layers: leave the random stream as it was
+            super().__init__(**kwargs)
+        for name in self.LAYERS:
+            delattr(self, name)
+
+    def configure_model(self) -> None:
+        if hasattr(self, "blocks"):
+            return
+        built = GPT(**{k: v for k, v in self.hparams.items() if k in GPT_KWARGS or k in GPT_SPEC.model_kwargs})
+        for name in self.LAYERS:
+            setattr(self, name, getattr(built, name))
+
+
 def _hybrid(**kwargs: Any) -> dict[str, Any]:
     return {"class": "lightning_parallel:HybridParallelStrategy", **kwargs}
 
 
-def _check(cases: list[tuple[str, Any]], devices: int, timeout: float) -> list[list[dict[str, Any]]]:
+def _check(cases: list[tuple[str, Any]], devices: int, timeout: float, extra: list[Any] = ()) -> list[list[dict[str, Any]]]:
+    """Fit ``cases`` (and ``extra`` specs, checked by the caller) in one group; compare the cases with one process."""
     specs = [dataclasses.replace(SPEC, strategy=strategy, devices=devices) for _, strategy in cases]
-    results = run_distributed(run_fits, devices, specs, init_backend=None, timeout=timeout)
+    results = run_distributed(run_fits, devices, [*specs, *extra], init_backend=None, timeout=timeout)
     reference = run_fit(dataclasses.replace(SPEC, strategy="auto", devices=1))
     assert max(reference["grad_norms"]) > 0.5, "clipping must be active"
     for index, (label, _) in enumerate(cases):
@@ -144,7 +165,8 @@ def test_3d_options_that_do_not_compose_yet_are_refused() -> None:
 
 # ---------------------------------------------------------------- multi-process parity
 def test_tp2_x_pp2_and_3d_preset_match_single_process() -> None:
-    _check(
+    configured = dataclasses.replace(SPEC, model="tests.test_strategy_3d:ConfiguredGPT", strategy="3d", devices=4)
+    results = _check(
         [
             ("tp2 x pp2 1f1b", _hybrid(tensor_parallel_size=2, pipeline_parallel_size=2, microbatches=2)),
             ("tp2 x pp2 interleaved_1f1b v2", _hybrid(
@@ -154,7 +176,14 @@ def test_tp2_x_pp2_and_3d_preset_match_single_process() -> None:
         ],
         4,
         timeout=500,
+        extra=[configured],
     )
+    # configure_model(): 3d chose its degrees on a meta-device twin, then trained the real build.
+    reference = run_fit(dataclasses.replace(configured, strategy="auto", devices=1))
+    for rank, per_rank in enumerate(results):
+        dims = per_rank[-1]["layout"]["dims"]
+        assert "pp=2 " in dims and "tp=2" in dims, dims
+        assert_parity(per_rank[-1], reference, f"3d with configure_model (rank {rank})", per_tensor=True)
 
 
 @pytest.mark.slow

@@ -9,10 +9,13 @@ not run, is rejected with the strategy's own message, not chosen and then refuse
 
 from __future__ import annotations
 
+import copy
 import functools
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 
 from lightning_parallel.planner.hardware import get_profile, profile_for_device
@@ -76,6 +79,27 @@ def engine_check(strategy: Any, module: nn.Module) -> Any:
     return check
 
 
+def planning_view(module: nn.Module) -> nn.Module:
+    """The model to choose degrees on: ``module`` itself, or a meta-device twin with its layers built.
+
+    Lightning's idiom for large models creates the layers in ``configure_model()``, which Lightning
+    calls after the strategy has set up its processes, and so after the degrees must be known. Such
+    a module (no parameters yet, ``configure_model`` overridden) is planned on a deep copy whose
+    ``configure_model`` runs under the meta device: shapes only, no memory, no change to the
+    user's module, which Lightning then builds once for real. The Trainer it is attached to is
+    shared with the copy, not copied (``configure_model`` may read ``self.trainer``).
+    """
+    if any(True for _ in module.parameters()) or not isinstance(module, pl.LightningModule):
+        return module
+    if not is_overridden("configure_model", module, pl.LightningModule):
+        return module
+    trainer = getattr(module, "_trainer", None)
+    twin = copy.deepcopy(module, {id(trainer): trainer} if trainer is not None else {})
+    with torch.device("meta"):
+        twin.configure_model()
+    return twin
+
+
 def planner_inputs(strategy: Any, module: nn.Module) -> dict[str, Any]:
     """Keyword arguments for :func:`~lightning_parallel.planner.auto_degrees.choose_3d_degrees`."""
     devices = strategy.parallel_devices or []
@@ -97,4 +121,4 @@ def planner_inputs(strategy: Any, module: nn.Module) -> dict[str, Any]:
     }
 
 
-__all__ = ["engine_check", "planner_inputs"]
+__all__ = ["engine_check", "planner_inputs", "planning_view"]

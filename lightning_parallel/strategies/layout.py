@@ -25,7 +25,7 @@ from lightning_parallel.parallel.compile import apply_compile, check_compile_lay
 from lightning_parallel.parallel.blocks import find_repeated_blocks
 from lightning_parallel.parallel.data.apply import apply_ddp, apply_fsdp
 from lightning_parallel.planner.auto_degrees import DegreeChoice, choose_3d_degrees
-from lightning_parallel.strategies.auto_layout import planner_inputs
+from lightning_parallel.strategies.auto_layout import planner_inputs, planning_view
 from lightning_parallel.parallel.pipeline.schedules import resolve_virtual_stages, schedule_spec
 from lightning_parallel.parallel.dims import DP, EDP, TP, ParallelDims
 from lightning_parallel.parallel.experts.apply import find_expert_modules, validate_expert_parallel
@@ -101,6 +101,7 @@ class LayoutMixin:
                 " distributed_sampler_kwargs after Trainer.fit has started, call strategy.connect(model) first,"
                 " or give tensor_parallel_size and pipeline_parallel_size as ints."
             )
+        module = planning_view(module)  # layers built in configure_model(): planned on a meta-device twin
         virtual = resolve_virtual_stages(schedule_spec(self.pipeline_schedule), self.virtual_stages)
         choice = choose_3d_degrees(
             module, world_size, processes_per_node=max(1, self.num_processes),

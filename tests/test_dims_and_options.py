@@ -126,6 +126,12 @@ def test_find_repeated_blocks() -> None:
     seq = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
     assert [n for n, _ in find_repeated_blocks(seq)] == ["0", "2", "4"]
     assert find_repeated_blocks(nn.Linear(3, 3)) == []
+    # A ModuleList is a stack whatever its layers' classes (hybrid models); a Sequential's blocks share one.
+    hybrid = nn.Module()
+    hybrid.layers = nn.ModuleList([nn.Linear(8, 8), nn.GRU(8, 8), nn.Linear(8, 8), nn.Conv1d(8, 8, 3)])
+    hybrid.head = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8))
+    assert [n for n, _ in find_repeated_blocks(hybrid)] == ["layers.0", "layers.1", "layers.2", "layers.3"]
+    assert find_repeated_blocks(nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8))) == []
 
 
 def test_expert_parallel_errors_before_any_collective() -> None:

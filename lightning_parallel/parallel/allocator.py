@@ -89,14 +89,12 @@ def expandable_cuda_segments() -> bool:
     """Turn on the CUDA caching allocator's expandable segments unless the user configured the
     allocator (``PYTORCH_CUDA_ALLOC_CONF`` / ``PYTORCH_ALLOC_CONF``); True if set here.
 
-    The variable is set for child processes, and the running allocator is told directly (it applies
-    to segments allocated from then on, so call it before the first CUDA allocation)."""
+    The caching allocator reads the variable when it is first used, so this is called before the
+    strategy's first CUDA allocation (``setup_environment``, before the process group exists); child
+    processes inherit it. Only the variable is set: the runtime setter torch has is private
+    (``torch._C._accelerator_setAllocatorSettings``) and not needed before that first allocation."""
     if not torch.cuda.is_available() or any(name in os.environ for name in CUDA_ALLOC_VARIABLES):
         return False
-    setter = getattr(torch.cuda.memory, "_set_allocator_settings", None)
-    if setter is None:  # a torch without runtime allocator settings: leave it as it is
-        return False
-    setter("expandable_segments:True")
     os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     return True
 

@@ -93,7 +93,10 @@ def planning_view(module: nn.Module) -> nn.Module:
         return module
     if not is_overridden("configure_model", module, pl.LightningModule):
         return module
-    trainer = getattr(module, "_trainer", None)
+    try:
+        trainer = module.trainer
+    except RuntimeError:  # not attached to a Trainer (planned before fit)
+        trainer = None
     twin = copy.deepcopy(module, {id(trainer): trainer} if trainer is not None else {})
     with torch.device("meta"):
         twin.configure_model()

@@ -115,7 +115,6 @@ def describe(cfg: DictConfig) -> str:
     from lightning_parallel.parallel.pipeline.plan import plan_pipeline
     from lightning_parallel.parallel.pipeline.schedules import resolve_virtual_stages, schedule_spec
     from lightning_parallel.parallel.tensor.plan import fold_layer_index, resolve_tp_plan
-    from lightning_parallel.parallel.experts.apply import find_expert_modules
     from lightning_parallel.parallel.tensor.shards import tp_param_bytes
     from lightning_parallel.parallel.tensor.split_share import DEFAULT_MIN_SPLIT, check_split_share
 
@@ -144,8 +143,7 @@ def describe(cfg: DictConfig) -> str:
             split_experts=dims.ep == 1,
         )
         # The strategy's refusal of a plan that splits too little, here too (before any process starts).
-        check_split_share(model, plan, float(strategy.get("tensor_parallel_min_split", DEFAULT_MIN_SPLIT)),
-                          find_expert_modules(model) if dims.ep > 1 else {})
+        check_split_share(model, plan, float(strategy.get("tensor_parallel_min_split", DEFAULT_MIN_SPLIT)), dims.ep)
         sizes = tp_param_bytes(model, plan)
         per_module = sizes["per_module_bytes_per_rank"]  # type: ignore[assignment]
         sharded, replicated = sizes["sharded_bytes_per_rank"], sizes["replicated_bytes_per_rank"]

@@ -34,7 +34,6 @@ def _compute_dtype(strategy: Any) -> str:
 def engine_check(strategy: Any, module: nn.Module) -> Any:
     """A ``Layout -> reason | None`` callable with the strategy's validation rules for that layout."""
     from lightning_parallel.parallel.compile import check_compile_layout
-    from lightning_parallel.parallel.experts.apply import find_expert_modules
     from lightning_parallel.parallel.tensor.plan import resolve_tp_plan
     from lightning_parallel.parallel.tensor.split_share import check_split_share
     from lightning_parallel.strategies.options import check_pipeline_precision, validate_options
@@ -47,7 +46,7 @@ def engine_check(strategy: Any, module: nn.Module) -> Any:
         with warnings.catch_warnings():  # the plan's notes are for the layout chosen, not each candidate
             warnings.simplefilter("ignore")
             plan = resolve_tp_plan(module, tp, user_plan=strategy.tp_plan, strict=strategy.strict_plan, split_experts=ep == 1)
-        check_split_share(module, plan, strategy.tensor_parallel_min_split, find_expert_modules(module) if ep > 1 else {})
+        check_split_share(module, plan, strategy.tensor_parallel_min_split, ep)
 
     def check(layout: Layout) -> str | None:
         degrees = {

@@ -28,7 +28,7 @@ from lightning_parallel.planner.auto_degrees import DegreeChoice, choose_3d_degr
 from lightning_parallel.strategies.auto_layout import planner_inputs, planning_view
 from lightning_parallel.parallel.pipeline.schedules import resolve_virtual_stages, schedule_spec
 from lightning_parallel.parallel.dims import DP, EDP, TP, ParallelDims
-from lightning_parallel.parallel.experts.apply import find_expert_modules, validate_expert_parallel
+from lightning_parallel.parallel.experts.apply import validate_expert_parallel
 from lightning_parallel.parallel.materialize import MetaInitContext, RngSnapshot, has_meta_tensors, materialize_meta_module, move_real_tensors
 from lightning_parallel.parallel.tensor.apply import apply_tensor_parallel
 from lightning_parallel.parallel.tensor.plan import TensorParallelPlan, resolve_tp_plan
@@ -131,8 +131,7 @@ class LayoutMixin:
                 split_experts=self.parallel_dims.ep == 1,  # with ep > 1 expert parallelism owns the experts
             )
             # A plan that leaves most of the model whole on every rank is refused, not warned about.
-            experts = find_expert_modules(module) if self.parallel_dims.ep > 1 else {}
-            check_split_share(module, self._tp_resolved, self.tensor_parallel_min_split, experts)
+            check_split_share(module, self._tp_resolved, self.tensor_parallel_min_split, self.parallel_dims.ep)
 
     def _layout_signature(self) -> tuple[Any, ...]:
         dims = self.parallel_dims

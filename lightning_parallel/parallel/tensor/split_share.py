@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from torch import nn
 
 from lightning_parallel.parallel.errors import config_error
+from lightning_parallel.parallel.experts.apply import find_expert_modules
 from lightning_parallel.parallel.tensor.plan import TensorParallelPlan, fold_layer_index
 from lightning_parallel.parallel.tensor.shards import owned_params, param_shard
 
@@ -54,17 +55,16 @@ def split_share(module: nn.Module, plan: TensorParallelPlan, split_elsewhere: It
     return 1.0 - sum(whole_parameters(module, plan, split_elsewhere).values()) / plan.total_params
 
 
-def check_split_share(
-    module: nn.Module, plan: TensorParallelPlan, min_split: float, split_elsewhere: Iterable[str] = ()
-) -> float:
+def check_split_share(module: nn.Module, plan: TensorParallelPlan, min_split: float, ep_size: int = 1) -> float:
     """Raise a typed error when ``plan`` splits less than ``min_split`` of the parameters; return the share.
 
-    The message names the largest modules kept whole (layer indices folded) with the plan's
-    reason for each, so the user sees what to put in a ``tp_plan``."""
-    share = split_share(module, plan, split_elsewhere)
+    With ``ep_size > 1`` the experts modules count as split (expert parallelism divides them). The
+    message names the largest modules kept whole (layer indices folded) with the plan's reason for
+    each, so the user sees what to put in a ``tp_plan``."""
+    whole = whole_parameters(module, plan, find_expert_modules(module) if ep_size > 1 else ())
+    share = 1.0 - sum(whole.values()) / plan.total_params if plan.total_params else 1.0
     if plan.tp_size <= 1 or share >= min_split:
         return share
-    whole = whole_parameters(module, plan, split_elsewhere)
     folded: dict[str, list[int]] = {}
     reasons: dict[str, str] = {}
     for name, count in whole.items():

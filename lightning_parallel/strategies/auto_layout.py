@@ -18,6 +18,7 @@ import torch
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 
+from lightning_parallel.compat_lightning import attached_trainer
 from lightning_parallel.planner.hardware import get_profile, profile_for_device
 from lightning_parallel.planner.cost import Layout
 
@@ -92,10 +93,7 @@ def planning_view(module: nn.Module) -> nn.Module:
         return module
     if not is_overridden("configure_model", module, pl.LightningModule):
         return module
-    try:
-        trainer = module.trainer
-    except RuntimeError:  # not attached to a Trainer (planned before fit)
-        trainer = None
+    trainer = attached_trainer(module)  # None when planned before fit
     twin = copy.deepcopy(module, {id(trainer): trainer} if trainer is not None else {})
     with torch.device("meta"):
         twin.configure_model()

@@ -64,22 +64,6 @@ class ProbedHFCausalLM(HFCausalLM):
         }
 
 
-class JambaCausalLM(HFCausalLM):
-    """transformers' Jamba: attention, Mamba and MoE layers of different classes in one ``nn.ModuleList``
-    (a hybrid stack, cut by cost like any block stack; issue 26)."""
-
-    def __init__(self) -> None:
-        super().__init__(family="llama", n_layer=1)
-        import transformers
-
-        config = transformers.JambaConfig(
-            vocab_size=64, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4,
-            intermediate_size=64, num_experts=4, num_experts_per_tok=2, expert_layer_period=2, expert_layer_offset=1,
-            attn_layer_period=2, attn_layer_offset=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=4,
-            use_mamba_kernels=False)
-        self.model = transformers.JambaForCausalLM(config)
-
-
 def _lm(family: str, strategy: Any = "pp", devices: int = 2, data: str = "lightning_parallel.testing.parity:token_data",
         **kwargs: Any) -> FitSpec:
     return FitSpec(model="tests.test_hf_pp:ProbedHFCausalLM", model_kwargs={"family": family, **kwargs}, data=data,
@@ -105,7 +89,11 @@ PP2_CELLS: dict[str, tuple[FitSpec, bool]] = {
     "qwen2_moe labels= (experts as opaque ops)": (_lm("qwen2_moe", loss="labels"), False),
     "vit": (_vision("vit"), False),
     "jamba (attention, Mamba, MoE layers in one list)": (
-        dataclasses.replace(_lm("llama"), model="tests.test_hf_pp:JambaCausalLM", model_kwargs={}), False),
+        _lm("JambaConfig/JambaForCausalLM", config={
+            "vocab_size": 64, "hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 4,
+            "intermediate_size": 64, "num_experts": 4, "num_experts_per_tok": 2, "expert_layer_period": 2,
+            "expert_layer_offset": 1, "attn_layer_period": 2, "attn_layer_offset": 1, "mamba_d_state": 8, "mamba_d_conv": 4,
+            "mamba_expand": 2, "mamba_dt_rank": 4, "use_mamba_kernels": False}), False),
     "phi3 padding labels=": (_lm("phi3", loss="labels", padding=True, data=f"{RM}:padded_token_data"), True),
     # lr 0.01: at the default 0.1 the accumulating comparison reaches 2.4e-5 at step 5 (BatchNorm over
     # 4 samples of 1x1 maps in layer4 amplifies round-off; the same step at one microbatch stays ~1e-7).

@@ -65,23 +65,15 @@ VIT = FitSpec(model=VISION, model_kwargs={"arch": "vit"}, data="lightning_parall
               global_batch=8, max_steps=5, trainer_kwargs={"gradient_clip_val": 0.05})
 
 
-class FalconCausalLM(HFCausalLM):
-    """transformers' Falcon: multi-query attention, attention and MLP in parallel from one norm, and
-    an in-place add into the attention output (``mlp_output += attention_output``): a region's output
-    must behave like an ordinary tensor (issue 26: it was a view made inside a custom Function)."""
-
-    def __init__(self) -> None:
-        super().__init__(family="llama", n_layer=1)
-        import transformers
-
-        config = transformers.FalconConfig(vocab_size=64, hidden_size=32, num_attention_heads=4, num_hidden_layers=2,
-                                           multi_query=True, parallel_attn=True, new_decoder_architecture=False,
-                                           hidden_dropout=0.0, attention_dropout=0.0, bias=False)
-        self.model = transformers.FalconForCausalLM(config)
-
-
 # Multi-query: the single key/value head stays whole, so each rank holds about 61% of Falcon.
-FALCON = dataclasses.replace(_hf("llama"), model="tests.test_hf_tp:FalconCausalLM", model_kwargs={})
+# transformers' Falcon: multi-query attention, attention and MLP in parallel from one norm, and an
+# in-place add into the attention output (``mlp_output += attention_output``): a region's output must
+# behave like an ordinary tensor (issue 26: it was a view made inside a custom Function).
+FALCON = dataclasses.replace(_hf("llama"), model_kwargs={
+    "family": "FalconConfig/FalconForCausalLM", "config": {
+        "vocab_size": 64, "hidden_size": 32, "num_attention_heads": 4, "num_hidden_layers": 2, "multi_query": True,
+        "parallel_attn": True, "new_decoder_architecture": False, "hidden_dropout": 0.0, "attention_dropout": 0.0,
+        "bias": False}})
 RESNET_TP = FitSpec(model=VISION, model_kwargs={"arch": "resnet"}, data="lightning_parallel.testing.real_models:image_data",
                     global_batch=8, max_steps=5, strategy="tp", devices=2)
 
@@ -154,8 +146,7 @@ def test_hf_dp2_tp2_match_single_process() -> None:
 
 def _plan(family: str) -> Any:
     from lightning_parallel.parallel.tensor.plan import resolve_tp_plan
-    from lightning_parallel.testing.real_models import HFCausalLM
-
+    
     return resolve_tp_plan(HFCausalLM(family=family, n_layer=2), 2)
 
 
@@ -189,8 +180,7 @@ def test_declared_plans_are_mapped_and_completed() -> None:
 
 def test_experts_left_to_expert_parallelism() -> None:
     from lightning_parallel.parallel.tensor.plan import resolve_tp_plan
-    from lightning_parallel.testing.real_models import HFCausalLM
-
+    
     plan = resolve_tp_plan(HFCausalLM(family="mixtral", n_layer=1), 2, split_experts=False)
     experts = "model.model.layers.0.mlp.experts"
     assert experts not in plan.styles and "expert parallelism" in plan.replicated[experts]
@@ -210,8 +200,7 @@ def test_hf_style_names() -> None:
 
 def test_unsupported_declared_style_falls_back_to_inferred() -> None:
     from lightning_parallel.parallel.tensor.plan import resolve_tp_plan
-    from lightning_parallel.testing.real_models import HFCausalLM
-
+    
     model = HFCausalLM(family="llama", n_layer=1)
     for module in model.modules():  # transformers copies the config's plan to each model's ``_tp_plan``
         own = getattr(module, "_tp_plan", None)

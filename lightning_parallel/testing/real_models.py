@@ -83,7 +83,9 @@ class HFCausalLM(pl.LightningModule):
 
     ``loss``: ``"logits"`` computes ``F.cross_entropy`` on ``self(x)`` against the batch's next
     tokens; ``"labels"`` takes ``self.model(input_ids=x, labels=x).loss`` (HF shifts inside).
-    ``gradient_checkpointing`` calls HF's own ``gradient_checkpointing_enable()``.
+    ``gradient_checkpointing`` calls HF's own ``gradient_checkpointing_enable()``. ``family`` may
+    also be ``"ConfigClass/ModelClass"`` (two ``transformers`` names) for a family outside
+    ``HF_FAMILIES``: then ``config`` is its whole config (``n_layer`` unused).
     """
 
     def __init__(self, family: str = "llama", n_layer: int = 4, loss: str = "logits", padding: bool = False,
@@ -92,7 +94,13 @@ class HFCausalLM(pl.LightningModule):
         if loss not in ("logits", "labels"):
             raise ValueError(f"loss={loss!r} must be 'logits' or 'labels'")
         self.family, self.loss_kind, self.padding, self.lr = family, loss, padding, lr
-        self.model = build_hf_model(family, n_layer, **(config or {}))
+        if "/" in family:
+            import transformers
+
+            config_name, model_name = family.split("/")
+            self.model = getattr(transformers, model_name)(getattr(transformers, config_name)(**(config or {})))
+        else:
+            self.model = build_hf_model(family, n_layer, **(config or {}))
         if gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
 

@@ -61,7 +61,10 @@ from torch._subclasses.fake_tensor import FakeTensor
 # Why: DTensor redistributions return AsyncCollectiveTensor, which waits on first use; a value
 # crossing a pipeline stage must be waited for before the send, and one entering a compiled block
 # (tp_attention.settled) before AOT autograd sees it; the tests' collective recorder
-# wraps the module's functions (DTensor's redistributions call them). Since: 2.4. Public: none yet.
+# wraps the module's functions (DTensor's redistributions call them); context-parallel attention
+# all-gathers keys and values with ``all_gather_tensor_autograd`` (its backward reduce-scatters;
+# torch.distributed.nn's all_gather, the public one, is deprecated and gave wrong key/value
+# gradients on gloo here, torch 2.13). Since: 2.4. Public: none yet.
 from torch.distributed import _functional_collectives as functional_collectives
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 

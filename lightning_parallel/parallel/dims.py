@@ -2,10 +2,13 @@
 
 Every technique takes its sub-mesh from here, so the ranks that form a tensor-parallel group
 are the same ranks whichever technique asks. Axis order, outermost first, is
-``pp, dp_replicate, dp_shard, tp``: tensor parallelism talks most and gets the innermost
-(fastest, e.g. NVLink-local) ranks, pipeline stages talk least and span the slowest links.
+``pp, dp_replicate, dp_shard, cp, tp``: tensor parallelism talks most and gets the innermost
+(fastest, e.g. NVLink-local) ranks, context parallelism (keys and values of every attention
+layer, parallel/context/) the next, pipeline stages talk least and span the slowest links.
 Experts are drawn from the data-parallel ranks: the expert mesh splits the flattened ``dp``
-axis into ``edp`` (outer) and ``ep`` (inner).
+axis into ``edp`` (outer) and ``ep`` (inner). Context-parallel ranks see the same samples (the
+sampler's view is ``dp``) but hold different gradients, so gradients are reduced, and ZeRO
+shards, over ``dp x cp`` (``dp_cp``), as torchtitan does.
 """
 
 from __future__ import annotations
@@ -22,12 +25,15 @@ from lightning_parallel.parallel.errors import config_error
 PP = "pp"
 DP_REPLICATE = "dp_replicate"
 DP_SHARD = "dp_shard"
+CP = "cp"
 TP = "tp"
 DP = "dp"  # flattened dp_replicate x dp_shard: gradient reduction and the data sampler
 PP_DP = "pp_dp"  # flattened pp x dp (one per tp rank): metric states under pipelines, no tp duplicates
 EDP = "edp"  # data-parallel ranks outside an expert group
 EP = "ep"
-MESH_AXES = (PP, DP_REPLICATE, DP_SHARD, TP)
+DP_CP = "dp_cp"  # flattened dp x cp: gradient reduction, ZeRO sharding and logged values under context parallelism
+FSDP_REPLICATE, FSDP_SHARD = "fsdp_replicate", "fsdp_shard"  # dp_cp regrouped for HSDP under context parallelism
+MESH_AXES = (PP, DP_REPLICATE, DP_SHARD, CP, TP)
 
 Degree = int | Literal["auto"]
 
@@ -46,7 +52,7 @@ def check_degree(name: str, value: object) -> None:
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Resolved degrees; ``dp_replicate * dp_shard * tp * pp == world_size`` always holds."""
+    """Resolved degrees; ``dp_replicate * dp_shard * cp * tp * pp == world_size`` always holds."""
 
     world_size: int
     dp_replicate: int = 1
@@ -54,6 +60,7 @@ class ParallelDims:
     tp: int = 1
     pp: int = 1
     ep: int = 1
+    cp: int = 1
     _mesh: DeviceMesh | None = field(default=None, repr=False, compare=False)
 
     @classmethod
@@ -66,6 +73,7 @@ class ParallelDims:
         pipeline_parallel_size: Degree = 1,
         expert_parallel_size: Degree = 1,
         data_parallel_replicate_size: Degree = "auto",
+        context_parallel_size: Degree = 1,
         sharded: bool = False,
         hybrid: bool = False,
         num_nodes: int = 1,
@@ -74,8 +82,28 @@ class ParallelDims:
 
         ``sharded`` puts the data-parallel ranks on the ``dp_shard`` axis (ZeRO-2/3); otherwise
         they replicate (DDP, ZeRO-1). ``hybrid`` splits them into replicate x shard (HSDP), with
-        ``data_parallel_replicate_size="auto"`` meaning one replica per node.
+        ``data_parallel_replicate_size="auto"`` meaning one replica per node. ``context_parallel_size``
+        counts with the model degrees: its ranks share samples, as tensor-parallel ranks do.
         """
+        check_degree("context_parallel_size", context_parallel_size)
+        if context_parallel_size == "auto":
+            # "auto" context parallelism takes what the explicit degrees leave (all processes by default).
+            if "auto" in (tensor_parallel_size, pipeline_parallel_size):
+                raise config_error(
+                    ValueError, "context_parallel_size", "auto",
+                    "it cannot be 'auto' together with an 'auto' tensor_parallel_size or pipeline_parallel_size",
+                    "give the tensor and pipeline degrees as ints, or an int context_parallel_size",
+                )
+            explicit = (1 if data_parallel_size == "auto" else data_parallel_size) * tensor_parallel_size * pipeline_parallel_size
+            if world_size % explicit:
+                raise config_error(
+                    ValueError, "data_parallel_size * tensor_parallel_size * pipeline_parallel_size", explicit,
+                    f"it must divide the world size {world_size} for context_parallel_size='auto'",
+                    "choose degrees that divide the number of processes",
+                )
+            cp = world_size // explicit
+        else:
+            cp = context_parallel_size
         for name, value in (
             ("data_parallel_size", data_parallel_size),
             ("tensor_parallel_size", tensor_parallel_size),
@@ -86,7 +114,7 @@ class ParallelDims:
             check_degree(name, value)
         if pipeline_parallel_size == "auto":
             # "auto" pipeline stages take what the explicit degrees leave (all processes by default).
-            explicit = (1 if data_parallel_size == "auto" else data_parallel_size) * (
+            explicit = cp * (1 if data_parallel_size == "auto" else data_parallel_size) * (
                 1 if tensor_parallel_size == "auto" else tensor_parallel_size
             )
             if world_size % explicit:
@@ -100,7 +128,7 @@ class ParallelDims:
             pp = pipeline_parallel_size
         if tensor_parallel_size == "auto":
             # "auto" tensor parallelism takes the processes the other degrees leave (all, by default).
-            others = pp * (1 if data_parallel_size == "auto" else data_parallel_size)
+            others = cp * pp * (1 if data_parallel_size == "auto" else data_parallel_size)
             if world_size % others:
                 raise config_error(
                     ValueError,
@@ -112,13 +140,13 @@ class ParallelDims:
             tp = world_size // others
         else:
             tp = tensor_parallel_size
-        model_degrees = tp * pp
+        model_degrees = tp * pp * cp
         if data_parallel_size == "auto":
             if world_size % model_degrees:
                 raise config_error(
                     ValueError,
-                    "tensor_parallel_size * pipeline_parallel_size",
-                    f"{tp} * {pp} = {model_degrees}",
+                    "tensor_parallel_size * pipeline_parallel_size * context_parallel_size",
+                    f"{tp} * {pp} * {cp} = {model_degrees}",
                     f"the product must divide the world size {world_size}",
                     "choose degrees whose product divides the number of processes (devices x num_nodes)",
                 )
@@ -128,8 +156,8 @@ class ParallelDims:
             if dp * model_degrees != world_size:
                 raise config_error(
                     ValueError,
-                    "data_parallel_size * tensor_parallel_size * pipeline_parallel_size",
-                    f"{dp} * {tp} * {pp} = {dp * model_degrees}",
+                    "data_parallel_size * tensor_parallel_size * pipeline_parallel_size * context_parallel_size",
+                    f"{dp} * {tp} * {pp} * {cp} = {dp * model_degrees}",
                     f"the product must equal the world size {world_size}",
                     'set data_parallel_size="auto" to use the remaining processes, or change devices/num_nodes',
                 )
@@ -159,7 +187,7 @@ class ParallelDims:
                     f"choose a divisor of {dp} (usually the number of nodes)",
                 )
             dp_replicate, dp_shard = replicate, dp // replicate
-        return cls(world_size=world_size, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp, ep=ep)
+        return cls(world_size=world_size, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp, ep=ep, cp=cp)
 
     @property
     def dp(self) -> int:
@@ -167,7 +195,16 @@ class ParallelDims:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return (self.pp, self.dp_replicate, self.dp_shard, self.tp)
+        return (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
+
+    @property
+    def grad_axis(self) -> str:
+        """The axis gradients are averaged (and ZeRO shards) over: ``dp``, or ``dp_cp`` with context parallelism."""
+        return DP_CP if self.cp > 1 else DP
+
+    @property
+    def grad_size(self) -> int:
+        return self.dp * self.cp
 
     def describe(self) -> str:
         return " x ".join(f"{name}={size}" for name, size in zip(MESH_AXES, self.shape)) + f" (ep={self.ep})"
@@ -183,6 +220,10 @@ class ParallelDims:
         mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_AXES)
         derived: dict[str, DeviceMesh] = {name: mesh[name] for name in MESH_AXES}
         derived[DP] = flatten_mesh(mesh[(DP_REPLICATE, DP_SHARD)], DP)
+        if self.cp > 1:
+            derived[DP_CP] = flatten_mesh(mesh[(DP_REPLICATE, DP_SHARD, CP)], DP_CP)
+            fsdp = unflatten_mesh(derived[DP_CP], 0, (self.dp_replicate, self.dp_shard * self.cp), (FSDP_REPLICATE, FSDP_SHARD))
+            derived[FSDP_REPLICATE], derived[FSDP_SHARD] = fsdp, fsdp[FSDP_SHARD]
         if self.pp > 1 and self.tp > 1:
             derived[PP_DP] = flatten_mesh(mesh[(PP, DP_REPLICATE, DP_SHARD)], PP_DP)
         if self.ep > 1:
@@ -213,7 +254,13 @@ class ParallelDims:
 
         Why not always 2D: FSDP2 treats any 2D mesh as HSDP and all-reduces every unit's gradient
         over the replicate axis after its reduce-scatter, also when that axis has one rank (a
-        collective per unit and step that moves nothing: 5 per step on a 4-block GPT)."""
+        collective per unit and step that moves nothing: 5 per step on a 4-block GPT).
+
+        With context parallelism the shard axis is ``dp_shard x cp`` (every cp rank holds different
+        gradients, so it shards them too), regrouped from the flattened ``dp_cp`` axis."""
+        if self.cp > 1:
+            axes: dict[str, DeviceMesh] = getattr(self, "_axes")
+            return axes[FSDP_SHARD] if self.dp_replicate == 1 else axes[FSDP_REPLICATE]
         if self.dp_replicate == 1 and self.dp_shard > 1:
             return self.mesh[DP_SHARD]
         return self.mesh[(DP_REPLICATE, DP_SHARD)]

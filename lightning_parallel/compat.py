@@ -11,7 +11,9 @@ of the package imports a private torch name directly, and checks that every entr
 released wheels of 2.4 to 2.12 (2.4 means "2.4 or older"; 2.13 is the one installed and
 tested). The package as a whole needs torch >= 2.12 (:data:`TORCH_LOWER_BOUND`; see
 ``pyproject.toml``). Lightning's private names live in :mod:`lightning_parallel.compat_lightning`
-so that the torch layer (``parallel/``) keeps importing nothing from Lightning.
+so that the torch layer (``parallel/``) keeps importing nothing from Lightning. The two private names of
+litdata (an optional library the data-parallel view serves) live here too, each with the litdata
+release it was read from.
 
 Not routed through here, by judgement: ``nn.Module``'s ``_parameters``/``_buffers``/``_modules``/
 ``_apply`` (the documented way to replace a tensor in place while keeping its name; torch's own
@@ -62,7 +64,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 # crossing a pipeline stage must be waited for before the send, and one entering a compiled block
 # (tp_attention.settled) before AOT autograd sees it; the tests' collective recorder
 # wraps the module's functions (DTensor's redistributions call them); context-parallel attention
-# all-gathers keys and values with ``all_gather_tensor_autograd`` (its backward reduce-scatters;
+# all-gathers keys and values with ``all_gather_single_autograd`` (its backward reduce-scatters;
 # torch.distributed.nn's all_gather, the public one, is deprecated and gave wrong key/value
 # gradients on gloo here, torch 2.13). Since: 2.4. Public: none yet.
 from torch.distributed import _functional_collectives as functional_collectives
@@ -272,6 +274,38 @@ def multihead_attention_init(module: nn.MultiheadAttention) -> Any:
     return module._reset_parameters
 
 
+# --- litdata (optional; read from litdata 0.2.76, the release pinned in the test extra) ------
+def litdata_env_class() -> Any:
+    """litdata's ``_DistributedEnv`` (``litdata.utilities.env``), or ``None`` where litdata has not
+    been imported.
+
+    Why: its classmethod ``detect()`` is where every litdata object reads the rank and world size
+    (``torch.distributed``, then the ``WORLD_SIZE``/``GLOBAL_RANK``/``NNODES`` variables); the
+    data-parallel view (``parallel/data/loader_view.py``) answers it inside a loader's calls. Since:
+    litdata 0.2.76 (read there). Public: none (``StreamingDataset.distributed_env``, a public
+    attribute, is replaced instead wherever the dataset is at hand). Not imported here: litdata is
+    optional, and a process that never imported it holds no litdata object to answer.
+    """
+    import sys
+
+    module = sys.modules.get("litdata.utilities.env")
+    return getattr(module, "_DistributedEnv", None) if module is not None else None
+
+
+def litdata_wrapped_datasets(dataset: object) -> list[Any]:
+    """The datasets a litdata ``CombinedStreamingDataset`` or ``ParallelStreamingDataset`` wraps
+    (``_datasets``, declared by their base ``litdata.utilities.base._BaseStreamingDatasetWrapper``);
+    ``[]`` for anything else.
+
+    Why: each wrapped ``StreamingDataset`` holds its own rank and world size, which the
+    data-parallel view replaces. Since: litdata 0.2.76 (read there). Public: none (the constructor
+    argument ``datasets`` is not kept under a public name).
+    """
+    if not type(dataset).__module__.startswith("litdata."):
+        return []
+    return list(getattr(dataset, "_datasets", None) or ())
+
+
 @dataclass(frozen=True)
 class PrivateApi:
     """One private torch name the package uses: where it lives and what to move to."""
@@ -335,6 +369,11 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
     PrivateApi("process_group_device", "torch.distributed.distributed_c10d:_get_pg_default_device", "2.4", "none yet"),
     PrivateApi("parse_to_device", "torch:_C._nn._parse_to", "2.4", "none"),
     PrivateApi("resolve_process_group", "torch.distributed.distributed_c10d:_resolve_process_group", "2.4", "none yet"),
+    # litdata's, not torch's: "since" names the litdata release they were read from
+    PrivateApi("litdata_env_class", "litdata.utilities.env:_DistributedEnv.detect", "litdata 0.2.76",
+               "none (StreamingDataset.distributed_env, replaced where the dataset is at hand)"),
+    PrivateApi("litdata_wrapped_datasets", "litdata.utilities.base:_BaseStreamingDatasetWrapper", "litdata 0.2.76",
+               "none"),
 )
 
 #: Private attribute names reached only through the wrappers above (the test rejects
@@ -344,15 +383,15 @@ PRIVATE_ATTRIBUTES = frozenset({"_flatten", "_unflatten", "_set_params_and_buffe
                                 "_assert_tensor_metadata", "_stages", "_stage", "_parse_to",
                                 "_resolve_process_group", "_reset_parameters", "_get_pg_default_device",
                                 "_set_unshard_async_op", "_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
-                                "_backward_pre_hooks", "_global_forward_hooks"})
+                                "_backward_pre_hooks", "_global_forward_hooks", "_datasets"})
 
 __all__ = [
     "PRIVATE_APIS", "PRIVATE_ATTRIBUTES", "TORCH_LOWER_BOUND", "AsyncCollectiveTensor", "BatchNormBase",
     "DeviceContext", "FakeTensor", "FsdpReduceScatter", "GraphPipelineStage", "PipelineAction", "PipelineComputationType",
     "PipelineScheduleRuntime", "PrivateApi", "StridedShard", "TreeSpec", "assert_tensor_metadata_op",
     "checkpoint_module", "compute_local_shape_and_global_offset", "ddp_ignore", "device_constructors",
-    "flatten_mesh", "foreach_norm", "functional_collectives", "global_module_hooks", "local_tensor",
-    "modify_graph_op_device", "module_has_hooks",
+    "flatten_mesh", "foreach_norm", "functional_collectives", "global_module_hooks", "litdata_env_class",
+    "litdata_wrapped_datasets", "local_tensor", "modify_graph_op_device", "module_has_hooks",
     "multihead_attention_init", "parse_to", "parse_to_device", "process_group_device",
     "resolve_process_group", "run_generated_code", "set_fsdp_unshard_async",
     "schedule_stages", "tree_flatten", "tree_leaves", "tree_map", "tree_unflatten", "unflatten_mesh",

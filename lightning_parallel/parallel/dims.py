@@ -207,7 +207,9 @@ class ParallelDims:
         return self.dp * self.cp
 
     def describe(self) -> str:
-        return " x ".join(f"{name}={size}" for name, size in zip(MESH_AXES, self.shape)) + f" (ep={self.ep})"
+        """``pp=.. x dp_replicate=.. x dp_shard=.. [x cp=..] x tp=.. (ep=..)``: cp only when it splits."""
+        axes = [(name, size) for name, size in zip(MESH_AXES, self.shape) if name != CP or size > 1]
+        return " x ".join(f"{name}={size}" for name, size in axes) + f" (ep={self.ep})"
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """Create the named mesh (a collective call: every rank must call it, in the same order).

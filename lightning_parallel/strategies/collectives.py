@@ -18,16 +18,16 @@ from lightning_parallel.compat_lightning import (
     distributed_is_initialized as _distributed_is_initialized,
     sync_ddp_if_available as _sync_ddp_if_available,
 )
-from lightning_parallel.parallel.dims import DP
 
 
 class CollectivesMixin:
     """``reduce``, ``all_gather``, ``barrier``, ``broadcast`` of ``HybridParallelStrategy``."""
 
     def _data_parallel_group(self) -> dist.ProcessGroup | None:
-        if self._dims is None or self._dims._mesh is None or self._dims.dp == self._dims.world_size:
+        """dp, or dp x cp under context parallelism (each cp rank's values cover its own chunks)."""
+        if self._dims is None or self._dims._mesh is None or self._dims.grad_size == self._dims.world_size:
             return None
-        return self._dims.axis(DP).get_group()
+        return self._dims.axis(self._dims.grad_axis).get_group()
 
     @override
     def reduce(

@@ -57,6 +57,8 @@ from lightning_parallel.strategies import precision as prec
 from lightning_parallel.strategies.layer_sync import check_layer_sync
 from lightning_parallel.strategies.checkpoint.async_save import AsyncCheckpointWriter
 from lightning_parallel.strategies.collective_errors import nccl_watchdog_defaults
+from lightning_parallel.strategies.context import check_context_layout
+from lightning_parallel.parallel.context.options import validate_context_options
 from lightning_parallel.strategies.nonfinite import NonFiniteGuard, NonFiniteMode, validate_nonfinite
 from lightning_parallel.strategies.process_group import check_backend, default_backend, init_process_group
 from lightning_parallel.strategies.checkpoint.hooks import CheckpointHooksMixin
@@ -80,6 +82,13 @@ class HybridParallelStrategy(LayoutMixin, StepHooksMixin, CollectivesMixin, Chec
         tensor_parallel_size: ranks that split each layer (Megatron-style, DTensor).
         pipeline_parallel_size: pipeline stages.
         expert_parallel_size: ranks, drawn from the data-parallel ones, that split the experts.
+        context_parallel_size: ranks that split every sequence (head-tail balanced chunks) and run attention
+            across them; they see the same samples, and gradients are reduced over data x context ranks.
+            For Hugging Face models inside the LightningModule (``parallel/context/``).
+        context_parallel_attention: ``"allgather"`` (keys and values gathered per layer, Llama 3's form) or
+            ``"ring"`` (keys and values passed around the group, merged by log-sum-exp).
+        context_parallel_batch_dims: batch entry path -> sequence dim (or None: keep whole), for entries the
+            automatic rule (dim 1 of the length of the first 2-D entry) cannot tell (``parallel/context/batch.py``).
         zero_stage: 0 replicated DDP, 1 optimizer-state sharding, 2 +gradients, 3 +parameters.
         cpu_offload: keep sharded state on the CPU (zero_stage 2-3).
         mixed_precision: deprecated alias of ``Trainer(precision=...)``, the one precision knob (see
@@ -131,6 +140,9 @@ class HybridParallelStrategy(LayoutMixin, StepHooksMixin, CollectivesMixin, Chec
         tensor_parallel_size: Degree = 1,
         pipeline_parallel_size: Degree = 1,
         expert_parallel_size: Degree = 1,
+        context_parallel_size: Degree = 1,
+        context_parallel_attention: Literal["allgather", "ring"] = "allgather",
+        context_parallel_batch_dims: dict[str, int | None] | None = None,
         zero_stage: int = 0,
         cpu_offload: bool = False,
         mixed_precision: str | None = None,
@@ -171,6 +183,7 @@ class HybridParallelStrategy(LayoutMixin, StepHooksMixin, CollectivesMixin, Chec
             "pipeline_parallel_size": pipeline_parallel_size,
             "expert_parallel_size": expert_parallel_size,
             "data_parallel_replicate_size": data_parallel_replicate_size,
+            "context_parallel_size": context_parallel_size,
         }
         validate_options(
             degrees=degrees,
@@ -199,6 +212,7 @@ class HybridParallelStrategy(LayoutMixin, StepHooksMixin, CollectivesMixin, Chec
             async_save=async_save,
         )
         validate_nonfinite(on_nonfinite, max_nonfinite_skips)
+        validate_context_options(context_parallel_attention, context_parallel_batch_dims)
         check_fsdp_units(fsdp_units, zero_stage, tensor_parallel_size, pipeline_parallel_size)
         compile_options = compile_kwargs(compile_blocks)  # typed errors here, before any process group
         check_compile_layout(compile_options, *(d if isinstance(d, int) else 1 for d in (pipeline_parallel_size, tensor_parallel_size)))
@@ -212,6 +226,8 @@ class HybridParallelStrategy(LayoutMixin, StepHooksMixin, CollectivesMixin, Chec
         )
         self._degrees = degrees
         self.zero_stage = zero_stage
+        self.context_parallel_attention = context_parallel_attention
+        self.context_parallel_batch_dims = dict(context_parallel_batch_dims) if context_parallel_batch_dims else None
         self.cpu_offload = cpu_offload
         self.mixed_precision = mixed_precision
         self.activation_checkpointing = activation_checkpointing
@@ -290,8 +306,8 @@ class HybridParallelStrategy(LayoutMixin, StepHooksMixin, CollectivesMixin, Chec
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         dims = self._dims if self._dims is not None else self.resolve_dims()
-        # Row-major mesh (pp, dp_replicate, dp_shard, tp): tp peers share a batch, pp stages too.
-        dp_rank = (self.global_rank // dims.tp) % dims.dp
+        # Row-major mesh (pp, dp_replicate, dp_shard, cp, tp): tp and cp peers share a batch, pp stages too.
+        dp_rank = (self.global_rank // (dims.tp * dims.cp)) % dims.dp
         return {"num_replicas": dims.dp, "rank": dp_rank}
 
     @property
@@ -325,6 +341,7 @@ class HybridParallelStrategy(LayoutMixin, StepHooksMixin, CollectivesMixin, Chec
         self.precision_plugin = prec.resolve_precision_plugin(self.precision_plugin, self.mixed_precision, self.root_device.type)
         # Validate degrees against the world size before any process waits on another.
         self._dims = self.resolve_dims()
+        check_context_layout(self._dims, bool(self.compile_blocks))
         self._resolve_plans()
         check_layer_sync(self._layer_sync, self._dims, self.lightning_module)  # Trainer(sync_batchnorm=True)
         check_pipeline_precision(self.precision_plugin, self._dims)  # Trainer(precision=...) the stages do not honour

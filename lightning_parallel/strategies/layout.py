@@ -27,7 +27,8 @@ from lightning_parallel.parallel.data.apply import apply_ddp, apply_fsdp
 from lightning_parallel.planner.auto_degrees import DegreeChoice, choose_3d_degrees
 from lightning_parallel.strategies.auto_layout import planner_inputs, planning_view
 from lightning_parallel.parallel.pipeline.schedules import resolve_virtual_stages, schedule_spec
-from lightning_parallel.parallel.dims import DP, EDP, TP, ParallelDims
+from lightning_parallel.parallel.context.hf import route_hf_models
+from lightning_parallel.parallel.dims import EDP, TP, ParallelDims
 from lightning_parallel.parallel.experts.apply import validate_expert_parallel
 from lightning_parallel.parallel.materialize import MetaInitContext, RngSnapshot, has_meta_tensors, materialize_meta_module, move_real_tensors
 from lightning_parallel.parallel.tensor.apply import apply_tensor_parallel
@@ -78,7 +79,8 @@ class LayoutMixin:
         world_size = world_size if world_size is not None else self.num_nodes * self.num_processes
         degrees = dict(self._degrees)
         if degrees["tensor_parallel_size"] == "auto" and degrees["pipeline_parallel_size"] == "auto":
-            choice = self._choose_3d_degrees(world_size)
+            cp = degrees["context_parallel_size"]  # an int here (ParallelDims refuses "auto" beside these)
+            choice = self._choose_3d_degrees(world_size // cp if isinstance(cp, int) and world_size % cp == 0 else world_size)
             degrees.update(tensor_parallel_size=choice.tp, pipeline_parallel_size=choice.pp, data_parallel_size=choice.dp)
             if degrees["expert_parallel_size"] == "auto":  # 4D for a model with MoE layers, 1 for a dense one
                 degrees["expert_parallel_size"] = choice.ep
@@ -160,7 +162,7 @@ class LayoutMixin:
     def _apply_layout(self, module: pl.LightningModule) -> nn.Module:
         """Apply the techniques in the documented order; return what Lightning should call."""
         dims = self.parallel_dims
-        fsdp = dims.pp == 1 and dims.dp > 1 and (self.zero_stage >= 2 or dims.tp > 1)
+        fsdp = dims.pp == 1 and dims.grad_size > 1 and (self.zero_stage >= 2 or dims.tp > 1)
         check_fsdp_units(self.fsdp_units, self.zero_stage, dims.tp, dims.pp, dims.dp)  # every rank, before any collective
         if dims.pp > 1:
             from lightning_parallel.strategies.pipeline.driver import PipelineDriver
@@ -181,6 +183,8 @@ class LayoutMixin:
                 module, dims.axis(TP), self._log_tp_plan(), sequence_parallel=self.sequence_parallel, loss_parallel=self.loss_parallel
             )
         experts, self._expert_params = apply_experts(module, dims, self.moe_aux_loss_coef, self.moe_z_loss_coef)
+        if dims.cp > 1:  # attention, positions and labels= across the sequence's chunks (parallel/context/hf.py)
+            route_hf_models(module, dims.cp)
         if self.activation_checkpointing:
             self._checkpointed_blocks = apply_activation_checkpointing(module, blocks)
         if self._compile_kwargs is not None:  # after tp and checkpointing (traced in), before FSDP2 / DDP hooks
@@ -202,13 +206,13 @@ class LayoutMixin:
             self._materialize(root)  # meta-built model: each rank allocates and initialises its shards only
             return root
         self._materialize(module)  # DDP broadcasts real tensors; tp / ep parameters are DTensor shards already
-        if dims.dp > 1:
+        if dims.grad_size > 1:  # gradients averaged over dp (x cp: context-parallel ranks hold different ones)
             if self._expert_params:  # averaged over edp by reduce_expert_grads, not by DDP over dp
                 names = [n for n, p in module.named_parameters() if any(p is q for q in self._expert_params)]
                 ddp_ignore(module, names)
             return apply_ddp(
                 module,
-                dims.axis(DP),
+                dims.axis(dims.grad_axis),
                 bucket_cap_mb=self.ddp_bucket_cap_mb,
                 find_unused_parameters=self.find_unused_parameters,
             )
@@ -219,7 +223,7 @@ class LayoutMixin:
         """ZeRO-1 without pipelines shards the optimizer with torch's ZeroRedundancyOptimizer (pipeline
         stages shard with FSDP2 at every zero_stage >= 1, see parallel/pipeline/fsdp.py)."""
         dims = self.parallel_dims
-        return self.zero_stage == 1 and dims.dp > 1 and dims.pp == 1
+        return self.zero_stage == 1 and dims.grad_size > 1 and dims.pp == 1
 
     @property
     def tensor_parallel_plan(self) -> TensorParallelPlan:

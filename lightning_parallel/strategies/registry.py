@@ -42,6 +42,11 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
         {"data_parallel_size": "auto", "tensor_parallel_size": "auto", "pipeline_parallel_size": "auto",
          "expert_parallel_size": "auto"},
     ),
+    "cp": (
+        "Context parallelism: every sequence split over the ranks (head-tail balanced), attention across the"
+        " chunks by all-gather or ring; Hugging Face models; all devices by default",
+        {"context_parallel_size": "auto"},
+    ),
     "ep": (
         "Expert parallelism: MoE experts split over the data-parallel ranks, tokens moved by all-to-all",
         {"expert_parallel_size": "auto"},

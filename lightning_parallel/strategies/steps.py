@@ -18,9 +18,8 @@ from typing_extensions import override
 
 from lightning_parallel.compat_lightning import unwrap_optimizer
 from lightning_parallel.parallel.data.apply import fsdp_modules
-from lightning_parallel.parallel.dims import DP
 from lightning_parallel.parallel.data.zero1 import shard_optimizer_state
-from lightning_parallel.strategies import precision as prec
+from lightning_parallel.strategies import context, precision as prec
 from lightning_parallel.strategies.engine import StepEngine, engine_for
 from lightning_parallel.strategies.collective_errors import explain_collective_errors
 
@@ -33,7 +32,7 @@ class StepHooksMixin:
         super().setup_optimizers(trainer)
         if not self._uses_zero_redundancy_optimizer:
             return
-        group = self.parallel_dims.axis(DP).get_group()
+        group = self.parallel_dims.axis(self.parallel_dims.grad_axis).get_group()
         for idx, optimizer in enumerate(self.optimizers):
             sharded = shard_optimizer_state(optimizer, group)
             for config in self.lr_scheduler_configs:
@@ -93,23 +92,40 @@ class StepHooksMixin:
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         engine = self._engine
         with self._explain(engine.forward_phase):
-            return engine.training_step(*args, **kwargs)
+            # context parallelism: this rank's chunks of the batch; the step stays active through backward
+            args = context.begin_step(self.parallel_dims, self.context_parallel_attention, self.context_parallel_batch_dims, args)
+            try:
+                return context.global_loss(engine.training_step(*args, **kwargs))
+            except BaseException:
+                context.end_step()
+                raise
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
-        with self._explain("backward (gradient reduction)"):
-            return self._engine.backward(closure_loss, optimizer, *args, **kwargs)
+        try:
+            with self._explain("backward (gradient reduction)"):
+                return self._engine.backward(closure_loss, optimizer, *args, **kwargs)
+        finally:
+            context.end_step()
+
+    def _eval_step(self, hook: str, *args: Any, **kwargs: Any) -> Any:
+        args = context.begin_step(self.parallel_dims, self.context_parallel_attention, self.context_parallel_batch_dims, args)
+        try:
+            return self._engine.eval_step(hook, *args, **kwargs)
+        finally:
+            context.end_step()
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._engine.eval_step("validation_step", *args, **kwargs)
+        return self._eval_step("validation_step", *args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._engine.eval_step("test_step", *args, **kwargs)
+        return self._eval_step("test_step", *args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        context.end_step()  # predictions run whole sequences on every context-parallel rank
         return self._engine.eval_step("predict_step", *args, **kwargs)
 
     @contextlib.contextmanager

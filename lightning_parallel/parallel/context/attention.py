@@ -65,7 +65,7 @@ def allgather_attention(q: Tensor, k: Tensor, v: Tensor, layout: ChunkLayout, gr
                         key_valid: Tensor | None, causal: bool, window: int | None, scale: float) -> Tensor:
     """Local queries over the all-gathered keys and values (autograd: the backward reduce-scatters
     their gradients home)."""
-    kv = functional_collectives.all_gather_tensor_autograd(torch.stack([k, v]).contiguous(), 3, group)
+    kv = functional_collectives.all_gather_single_autograd(torch.stack([k, v]).contiguous(), 3, group)
     keys, values = kv.unbind(0)
     k_pos = layout.all_positions(q.device).flatten()
     mask = visibility(layout.positions(device=q.device), k_pos, key_valid, causal, window)

@@ -1,0 +1,32 @@
+"""Validation of the context-parallel options (``HybridParallelStrategy.__init__``, before any process starts)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from lightning_parallel.parallel.context.attention import FORMS
+from lightning_parallel.parallel.errors import config_error
+
+
+def validate_context_options(attention: Any, batch_dims: Any) -> None:
+    if attention not in FORMS:
+        raise config_error(
+            ValueError, "context_parallel_attention", attention,
+            f"the forms are {list(FORMS)} (all-gather of keys and values, or ring pass-KV)",
+            "pass context_parallel_attention='allgather' (the default) or 'ring'",
+        )
+    if batch_dims is None:
+        return
+    if not isinstance(batch_dims, Mapping):
+        raise config_error(
+            TypeError, "context_parallel_batch_dims", batch_dims, "it maps a batch entry's path to its sequence dim (or None)",
+            "pass e.g. context_parallel_batch_dims={'input_ids': 1, 'pair_bias': None}",
+        )
+    for path, dim in batch_dims.items():
+        if not isinstance(path, str) or not (dim is None or (isinstance(dim, int) and not isinstance(dim, bool) and dim >= 0)):
+            raise config_error(
+                TypeError, f"context_parallel_batch_dims[{path!r}]", dim,
+                "keys are entry paths ('input_ids', '0', '1.mask') and values a dim >= 0 to split along, or None to keep whole",
+                "pass e.g. context_parallel_batch_dims={'0': 1}",
+            )

@@ -1,0 +1,65 @@
+"""Context parallelism in the strategy's steps: cut the batch, activate the step, report the loss.
+
+The torch layer (``parallel/context/``) knows chunks, attention and the model hooks; this file
+is when they happen in a Lightning step. A training step stays active through its backward
+(activation checkpointing recomputes attention there); an evaluation step only for itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor
+
+from lightning_parallel.parallel.context.batch import split_batch
+from lightning_parallel.parallel.context.step import ContextStep, activate, active_step, deactivate
+from lightning_parallel.parallel.dims import CP, ParallelDims
+from lightning_parallel.parallel.errors import config_error
+
+
+def check_context_layout(dims: ParallelDims, compile_blocks: bool) -> None:
+    """Combinations context parallelism does not run yet: typed errors before any collective."""
+    if dims.cp == 1:
+        return
+    for name, degree, why in (
+        ("pipeline_parallel_size", dims.pp, "pipeline stages are traced graphs, and the cp routing hooks the whole model's call"),
+        ("expert_parallel_size", dims.ep, "experts are drawn from the data-parallel ranks, not yet from dp x cp"),
+    ):
+        if degree > 1:
+            raise config_error(
+                ValueError, f"context_parallel_size={dims.cp} with {name}", degree,
+                f"context parallelism does not compose with it yet ({why})",
+                f"use context parallelism with data, ZeRO and tensor parallelism, or set {name}=1",
+            )
+    if compile_blocks:
+        raise config_error(
+            ValueError, f"context_parallel_size={dims.cp} with compile_blocks", compile_blocks,
+            "the context-parallel attention exchanges keys and values inside each block, which torch.compile does not trace here",
+            "set compile_blocks=False",
+        )
+
+
+def begin_step(dims: ParallelDims, form: str, batch_dims: dict[str, Any] | None, args: tuple) -> tuple:
+    """Cut the step's batch (its first argument) and activate the step; returns the new arguments."""
+    if dims.cp == 1 or not args:
+        return args
+    group = dims.axis(CP).get_group()
+    local, layout = split_batch(args[0], dims.cp, dims.axis(CP).get_local_rank(), batch_dims)
+    activate(ContextStep(layout=layout, group=group, form=form))
+    return (local, *args[1:])
+
+
+def end_step() -> None:
+    deactivate()
+
+
+def global_loss(output: Any) -> Any:
+    """A step's returned loss with the whole sequence's value (see ``ContextStep.global_value``)."""
+    step = active_step()
+    if step is None:
+        return output
+    if isinstance(output, Tensor) and output.ndim == 0:
+        return step.global_value(output)
+    if isinstance(output, dict) and isinstance(output.get("loss"), Tensor):
+        return {**output, "loss": step.global_value(output["loss"])}
+    return output

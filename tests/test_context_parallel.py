@@ -1,0 +1,62 @@
+"""Context parallelism on real Hugging Face classes against one process on the whole sequence.
+
+Each sequence is cut into head-tail chunks over the ``cp`` ranks; attention runs across them
+(both forms: all-gather of keys and values, ring), positions stay global (RoPE in Llama, Qwen2
+and Mistral; GPT-2's learned positions), the ``labels=`` loss shifts over the whole sequence, and
+gradients are averaged over dp x cp. Every case must match one process (per-step losses, final
+parameters, relative 1e-5 per tensor) over 5 steps with gradient clipping active, with left
+padding in the batch where marked and Mistral's sliding window shorter than the sequence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+from lightning_parallel.testing import run_distributed
+from lightning_parallel.testing.parity import FitSpec
+from tests.test_data_parallel import HYBRID, _reference, assert_parity
+from tests.test_hf_tp import _hf, fits_or_errors
+
+# Mistral with a sliding window (6) shorter than the sequence (16): the window crosses chunk boundaries.
+MISTRAL = {"family": "MistralConfig/MistralForCausalLM", "config": {
+    "vocab_size": 64, "hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
+    "intermediate_size": 64, "max_position_embeddings": 64, "sliding_window": 6}}
+
+
+def _cp(spec: FitSpec, form: str, devices: int = 2, **degrees: Any) -> FitSpec:
+    strategy = {"class": HYBRID, "context_parallel_size": 2, "context_parallel_attention": form, **degrees}
+    return dataclasses.replace(spec, strategy=strategy, devices=devices)
+
+
+def _mistral(loss: str, padding: bool = False) -> FitSpec:
+    spec = _hf("llama", loss, padding=padding)
+    return dataclasses.replace(spec, model_kwargs={**spec.model_kwargs, **MISTRAL})
+
+
+CP2_CASES: list[tuple[str, FitSpec]] = [
+    ("llama logits allgather", _cp(_hf("llama"), "allgather")),
+    ("llama labels padding ring", _cp(_hf("llama", "labels", padding=True), "ring")),
+    ("qwen2 labels allgather", _cp(_hf("qwen2", "labels"), "allgather")),
+    ("gpt2 labels padding allgather", _cp(_hf("gpt2", "labels", padding=True), "allgather")),
+    ("gpt2 logits ring", _cp(_hf("gpt2"), "ring")),
+    ("mistral sliding window labels padding ring", _cp(_mistral("labels", padding=True), "ring")),
+    ("mistral sliding window labels allgather", _cp(_mistral("labels"), "allgather")),
+]
+
+
+def _assert_cp_parity(label: str, ranks: list[dict[str, Any]], spec: FitSpec) -> None:
+    assert all("error" not in r for r in ranks), f"{label}: {ranks[0].get('trace')}"
+    reference = _reference(dataclasses.replace(spec, strategy="auto", devices=1))
+    assert max(reference["grad_norms"]) > spec.trainer_kwargs["gradient_clip_val"], label  # clipping is active
+    # labels=: every rank logs the whole sequence's loss; a loss on the logits covers the rank's chunks (equal
+    # token counts without padding), so the whole batch's loss is the mean over ranks either way.
+    losses = [sum(step) / len(step) for step in zip(*(r["losses"] for r in ranks))]
+    assert_parity(dict(ranks[0], losses=losses), reference, label, per_tensor=True, metrics=False)
+
+
+def test_hf_models_cp2_match_single_process() -> None:
+    results = run_distributed(fits_or_errors, 2, [spec for _, spec in CP2_CASES], init_backend=None, timeout=900)
+    for i, (label, spec) in enumerate(CP2_CASES):
+        _assert_cp_parity(label, [rank[i] for rank in results], spec)

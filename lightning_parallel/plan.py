@@ -14,6 +14,12 @@ weights, no memory, no process group), with the same planners the strategy calls
 refuse (e.g. ``strict_plan=true`` with a size that does not divide the heads) fails here with
 the same message and a non-zero exit status.
 
+Degrees: the strategy's own. The dry run builds the strategy from the config, hands it what the
+Trainer would (processes per node, device type, precision plugin) and the meta-device model, and
+runs the part of its ``setup_environment()`` before the process group (:func:`resolve_for`), so
+"auto" degrees (``3d``'s planner choice included) are what the job chooses on that world size, and
+a world with no layout is the strategy's error, led by the world size.
+
 World size: ``+world_size=N`` if given; else the trainer's processes when they hold the layout;
 else the product of the explicit degrees (a dry run may plan for more devices than this
 machine has).
@@ -42,7 +48,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -50,6 +56,9 @@ from torch import nn
 
 from lightning_parallel.parallel.dims import ParallelDims
 from lightning_parallel.errors import config_error
+
+if TYPE_CHECKING:
+    from lightning_parallel.strategies.preflight import Preflight
 
 _DEGREES = ("data_parallel_size", "tensor_parallel_size", "pipeline_parallel_size", "expert_parallel_size")
 
@@ -108,6 +117,47 @@ def _module_bytes(per_module: dict[str, int], modules: Sequence[str]) -> int:
     return sum(b for name, b in per_module.items() if any(name == m or name.startswith(f"{m}.") for m in modules))
 
 
+def resolve_for(cfg: DictConfig, model: nn.Module, world: int, origin: str = "+world_size") -> Preflight:
+    """The degrees the job's strategy resolves on ``world`` processes, asked of the strategy itself.
+
+    Why not ``ParallelDims.resolve`` on the preset's values: automatic degrees are the strategy's
+    decision (``3d`` asks the layout planner with the model, the processes per node, the device
+    type and the Trainer's precision), so the dry run builds the strategy from the config, gives
+    it what the Trainer would, and runs the steps of its ``setup_environment()`` that come before
+    the process group (:func:`~lightning_parallel.strategies.preflight.preflight`). An error names
+    the world size and where it came from, then the strategy's own rule and fix.
+    """
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
+
+    from lightning_parallel.strategies.hybrid import HybridParallelStrategy
+    from lightning_parallel.strategies.preflight import Preflight, preflight
+
+    trainer = cfg.get("trainer") or {}
+    nodes = trainer.get("num_nodes", 1) or 1
+    try:
+        strategy = instantiate(cfg.strategy)  # the option checks of __init__, as the job runs them
+        if not isinstance(strategy, HybridParallelStrategy):  # Lightning's ddp / single: every rank a replica
+            dims = ParallelDims.resolve(world, num_nodes=int(nodes))
+            return Preflight(dims=dims, choice=None, tp_plan=None, processes_per_node=max(1, world // int(nodes)), device_type="cpu")
+        return preflight(
+            strategy, model, world, num_nodes=nodes, accelerator=trainer.get("accelerator"),
+            precision=trainer.get("precision"), sync_batchnorm=bool(trainer.get("sync_batchnorm", False)),
+        )
+    except InstantiationException as err:
+        cause = err.__cause__
+        if not isinstance(cause, (ValueError, TypeError)):
+            raise
+        raise type(cause)(str(cause)) from err  # the constructor's own message, without Hydra's wrapper
+    except (ValueError, TypeError) as err:
+        raise _naming_world(err, world, origin) from err
+
+
+def _naming_world(err: ValueError | TypeError, world: int, origin: str) -> Exception:
+    """``err`` (same type) led by the world size it was planned for: an automatic degree's value comes from it."""
+    return (ValueError if isinstance(err, ValueError) else TypeError)(f"world size {world} (from {origin}): {err}")
+
+
 def describe(cfg: DictConfig) -> str:
     """The whole printout for a composed config: degrees, TP plan and bytes, pipeline plan."""
     from hydra.utils import instantiate
@@ -117,33 +167,35 @@ def describe(cfg: DictConfig) -> str:
     from lightning_parallel.parallel.tensor.plan import fold_layer_index, resolve_tp_plan
     from lightning_parallel.parallel.tensor.shards import tp_param_bytes
     from lightning_parallel.parallel.tensor.split_share import DEFAULT_MIN_SPLIT, check_split_share
+    from lightning_parallel.strategies.auto_layout import planning_view
 
     strategy: dict[str, Any] = OmegaConf.to_container(cfg.strategy, resolve=True)  # type: ignore[assignment]
     world, origin = world_size_for(cfg)
     zero_stage = int(strategy.get("zero_stage", 0) or 0)
-    dims = ParallelDims.resolve(
-        world,
-        **{k: strategy.get(k, 1 if k != "data_parallel_size" else "auto") for k in _DEGREES},
-        data_parallel_replicate_size=strategy.get("data_parallel_replicate_size", "auto"),
-        sharded=zero_stage >= 2,
-        hybrid=bool(strategy.get("hybrid_shard", False)),
-        num_nodes=int(cfg.trainer.get("num_nodes", 1) or 1),
-    )
     with torch.device("meta"):
         model: nn.Module = instantiate(cfg.model)
+    resolved = resolve_for(cfg, model, world, origin)
+    dims = resolved.dims
+    model = planning_view(model)  # layers built in configure_model(): planned on a meta-device twin, as the strategy does
     total = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
     lines = [
         f"{type(model).__name__}: {total:,} parameter bytes ({_human(total)}); world size {world} from {origin}: {dims.describe()}, "
         f"zero_stage={zero_stage}"
     ]
+    if resolved.choice is not None:  # "auto" degrees: the planner's choice, as the strategy logs it on rank 0
+        lines += ["", resolved.choice.explain()]
+        if resolved.device_type == "cuda" and not torch.cuda.is_available():
+            lines.append("  (no GPU visible here: chosen with the nominal cpu profile; on the job's GPUs the choice may differ)")
     per_module: dict[str, int] | None = None
     if dims.tp > 1:
-        plan = resolve_tp_plan(
-            model, dims.tp, user_plan=strategy.get("tp_plan") or None, strict=bool(strategy.get("strict_plan", False)),
-            split_experts=dims.ep == 1,
-        )
-        # The strategy's refusal of a plan that splits too little, here too (before any process starts).
-        check_split_share(model, plan, float(strategy.get("tensor_parallel_min_split", DEFAULT_MIN_SPLIT)), dims.ep)
+        plan = resolved.tp_plan  # planned and checked by the strategy's own _resolve_plans()
+        if plan is None:  # layers built in configure_model(): the strategy plans them in setup(), on every rank
+            plan = resolve_tp_plan(
+                model, dims.tp, user_plan=strategy.get("tp_plan") or None, strict=bool(strategy.get("strict_plan", False)),
+                split_experts=dims.ep == 1,
+            )
+            # The strategy's refusal of a plan that splits too little, here too (before any process starts).
+            check_split_share(model, plan, float(strategy.get("tensor_parallel_min_split", DEFAULT_MIN_SPLIT)), dims.ep)
         sizes = tp_param_bytes(model, plan)
         per_module = sizes["per_module_bytes_per_rank"]  # type: ignore[assignment]
         sharded, replicated = sizes["sharded_bytes_per_rank"], sizes["replicated_bytes_per_rank"]
@@ -162,7 +214,10 @@ def describe(cfg: DictConfig) -> str:
     if dims.pp > 1:
         spec = schedule_spec(strategy.get("pipeline_schedule") or "1f1b")
         virtual = resolve_virtual_stages(spec, strategy.get("virtual_stages") or "auto")
-        pplan = plan_pipeline(model, dims.pp, virtual, style=spec.style, split_points=strategy.get("split_points"))
+        try:  # the strategy cuts the stages in setup(): the same planner, the same refusal
+            pplan = plan_pipeline(model, dims.pp, virtual, style=spec.style, split_points=strategy.get("split_points"))
+        except (ValueError, TypeError) as err:
+            raise _naming_world(err, world, origin) from err
         lines += ["", f"schedule {spec.name}: " + pplan.table()]
         if per_module is None:
             per_module = {}

@@ -93,6 +93,13 @@ def choose_3d_degrees(
             "choosing 3D degrees reads the model's layers, and this model has none yet (built in configure_model?)",
             "give tensor_parallel_size and pipeline_parallel_size as ints",
         )
+    if world_size < 2:  # the planner would find only the single-process layout and list nothing it tried
+        raise config_error(
+            ValueError, "tensor_parallel_size / pipeline_parallel_size", f'"auto" on world size {world_size}',
+            "strategy '3d' chooses a tensor-, pipeline- or expert-parallel degree above 1, and any such degree needs"
+            " at least 2 processes",
+            "run on 2 or more devices (4 gives tp2 x pp2), give the degrees as ints, or use 'dp' / 'zero3' on one",
+        )
     dp = _auto_or_int("data_parallel_size", data_parallel_size, world_size)
     ep = _auto_or_int("expert_parallel_size", expert_parallel_size, world_size)
     facts = model_facts(module, tp_plan=tp_plan, split_points=split_points)

@@ -7,7 +7,7 @@ on 8 processes and failed with "8 stages > 4 blocks", while the job would run dp
 The reference here is independent of the dry run's code: a real ``pl.Trainer`` prepares the
 strategy from the same config (devices, nodes, precision plugin), the meta-device model is
 connected, and the strategy resolves its degrees and checks its plans as ``setup_environment()``
-does (``resolve_dims`` then ``_resolve_plans``). No process group, no spawned rank.
+does (``resolve_dims``, ``check_context_layout``, ``_resolve_plans``). No process group, no spawned rank.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from lightning_parallel.plan import compose_config, main, resolve_for
+from lightning_parallel.strategies.context import check_context_layout
 
 ALL_WORLDS = (1, 2, 3, 4, 6, 8, 16, 64, 512)
 FEW_WORLDS = (2, 3, 8, 64)
@@ -34,6 +35,7 @@ CASES = [
     ("zero1", "gpt", FEW_WORLDS),
     ("hsdp", "gpt", FEW_WORLDS),
     ("ep", "moe_gpt", FEW_WORLDS),
+    ("cp", "gpt", FEW_WORLDS),
 ]
 
 
@@ -54,6 +56,7 @@ def _strategy_resolves(cfg: DictConfig, world: int) -> tuple[str, Any]:
     strategy.connect(_meta_model(cfg))
     try:
         strategy._dims = strategy.resolve_dims()  # devices x num_nodes, as in setup_environment()
+        check_context_layout(strategy._dims, bool(strategy.compile_blocks))
         strategy._resolve_plans()
     except (ValueError, TypeError) as err:
         return "error", err

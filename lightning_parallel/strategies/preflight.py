@@ -58,15 +58,18 @@ def resolve_layout(strategy: Any, world_size: int | None = None) -> ParallelDims
     """The degrees and plan checks of ``setup_environment()``, in its order, with no collective.
 
     The deprecated ``mixed_precision=`` folded into the precision plugin, the degrees resolved
-    (``"auto"`` included: ``3d`` asks the planner), the tensor-parallel plan and the experts
-    checked, then the layer-sync and pipeline-precision refusals. Sets ``strategy._dims``.
+    (``"auto"`` included: ``3d`` asks the planner), the combinations context parallelism refuses,
+    the tensor-parallel plan and the experts checked, then the layer-sync and pipeline-precision
+    refusals. Sets ``strategy._dims``.
     """
     from lightning_parallel.strategies import precision as prec
+    from lightning_parallel.strategies.context import check_context_layout
     from lightning_parallel.strategies.layer_sync import check_layer_sync
     from lightning_parallel.strategies.options import check_pipeline_precision
 
     strategy.precision_plugin = prec.resolve_precision_plugin(strategy.precision_plugin, strategy.mixed_precision, strategy.root_device.type)
     strategy._dims = strategy.resolve_dims(world_size)
+    check_context_layout(strategy._dims, bool(strategy.compile_blocks))
     strategy._resolve_plans()
     check_layer_sync(strategy._layer_sync, strategy._dims, strategy.lightning_module)
     check_pipeline_precision(strategy.precision_plugin, strategy._dims)

@@ -48,6 +48,11 @@ CP2_CASES: list[tuple[str, FitSpec]] = [
 
 def _assert_cp_parity(label: str, ranks: list[dict[str, Any]], spec: FitSpec) -> None:
     assert all("error" not in r for r in ranks), f"{label}: {ranks[0].get('trace')}"
+    dims = ranks[0]["layout"]["dims"]
+    assert f"cp={spec.strategy['context_parallel_size']}" in dims, (label, dims)  # the sequence really was split
+    if spec.strategy.get("tensor_parallel_size", 1) > 1:  # and tp really split the layers beside it
+        total = sum(p.numel() for p in ranks[0]["params"].values())
+        assert ranks[0]["layout"]["local_param_numel"] / total < 0.6, (label, dims)
     reference = _reference(dataclasses.replace(spec, strategy="auto", devices=1))
     assert max(reference["grad_norms"]) > spec.trainer_kwargs["gradient_clip_val"], label  # clipping is active
     # labels=: every rank logs the whole sequence's loss; a loss on the logits covers the rank's chunks (equal
@@ -59,4 +64,22 @@ def _assert_cp_parity(label: str, ranks: list[dict[str, Any]], spec: FitSpec) ->
 def test_hf_models_cp2_match_single_process() -> None:
     results = run_distributed(fits_or_errors, 2, [spec for _, spec in CP2_CASES], init_backend=None, timeout=900)
     for i, (label, spec) in enumerate(CP2_CASES):
+        _assert_cp_parity(label, [rank[i] for rank in results], spec)
+
+
+CP4_CASES: list[tuple[str, FitSpec]] = [
+    ("cp4 llama labels padding ring", _cp(_hf("llama", "labels", padding=True), "ring", 4, context_parallel_size=4)),
+    ("cp4 qwen2 logits allgather", _cp(_hf("qwen2"), "allgather", 4, context_parallel_size=4)),
+    ("dp2xcp2 llama logits allgather", _cp(_hf("llama"), "allgather", 4, data_parallel_size=2)),
+    ("dp2xcp2 zero3 gpt2 labels ring", _cp(_hf("gpt2", "labels"), "ring", 4, data_parallel_size=2, zero_stage=3)),
+    ("tp2xcp2 llama labels padding allgather", _cp(_hf("llama", "labels", padding=True), "allgather", 4, tensor_parallel_size=2)),
+    ("tp2xcp2 qwen2 logits ring", _cp(_hf("qwen2"), "ring", 4, tensor_parallel_size=2)),
+]
+
+
+def test_hf_models_cp4_dp_cp_tp_cp_match_single_process() -> None:
+    """Four ranks: cp4, dp2 x cp2 (DDP and ZeRO-3 over dp x cp), tp2 x cp2 (heads split by tp, sequence by cp).
+    dp2 cases carry no padding: HF's loss is a mean over each data-parallel rank's own tokens (see test_hf_tp)."""
+    results = run_distributed(fits_or_errors, 4, [spec for _, spec in CP4_CASES], init_backend=None, timeout=900)
+    for i, (label, spec) in enumerate(CP4_CASES):
         _assert_cp_parity(label, [rank[i] for rank in results], spec)

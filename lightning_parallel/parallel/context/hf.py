@@ -25,6 +25,7 @@ through the public extension points transformers offers, never by editing the mo
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -65,8 +66,30 @@ def _attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, att
             )
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     scale = scaling if scaling is not None else query.size(-1) ** -0.5
-    out = step.attention(query, key, value, causal=bool(causal), window=kwargs.get("sliding_window"), scale=scale)
-    return out.transpose(1, 2).contiguous(), None
+    (q, k, v), heads_of = _local_heads(layer, query, key, value)
+    out = step.attention(q, k, v, causal=bool(causal), window=kwargs.get("sliding_window"), scale=scale)
+    return heads_of(out).transpose(1, 2).contiguous(), None
+
+
+def _local_heads(layer: str, *tensors: Tensor) -> tuple[tuple[Tensor, ...], Callable[[Tensor], Tensor]]:
+    """Under tensor parallelism q/k/v arrive as DTensors split along the heads (``parallel/tensor/
+    attention.py``); heads are independent, so context-parallel attention runs on this rank's
+    heads and the output goes back as the same head-split DTensor. Keys and values kept whole
+    (one multi-query head) are replicated and used as they are."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    query = tensors[0]
+    if not isinstance(query, DTensor):
+        return tensors, lambda out: out
+    for t in tensors:
+        if not isinstance(t, DTensor) or tuple(t.placements) not in ((Shard(1),), (Replicate(),)):
+            raise config_error(
+                ValueError, f"{layer} attention inputs", [getattr(t, "placements", "plain tensor") for t in tensors],
+                "context parallelism with tensor parallelism needs q/k/v split along the heads (or k/v whole)",
+                "check the tensor-parallel plan of this attention (strategy.tensor_parallel_plan)",
+            )
+    mesh, placements = query.device_mesh, query.placements
+    return tuple(t.to_local() for t in tensors), lambda out: DTensor.from_local(out, mesh, placements, run_check=False)
 
 
 def _mask(*args: Any, **kwargs: Any) -> Any:

@@ -20,7 +20,7 @@ Not routed through here, by judgement: ``nn.Module``'s ``_parameters``/``_buffer
 ``nn.utils`` do the same); methods a subclass overrides of the class it derives from here
 (:class:`GraphPipelineStage` below names them); and other libraries' private attributes read by
 duck typing (``transformers``: ``_tp_plan``, ``_pp_plan``, ``_gradient_checkpointing_func``,
-``_is_hf_initialized``, ``_initialize_weights``; ``torchmetrics``: ``Metric._defaults``,
+``_is_hf_initialized``, ``_initialize_weights``, ``config._attn_implementation``; ``torchmetrics``: ``Metric._defaults``,
 ``_forward_cache``, ``_update_count``, ``_computed``).
 """
 

@@ -110,7 +110,7 @@ def test_presets_registered_without_shadowing_lightning() -> None:
 
 
 def test_unknown_strategy_name_lists_ours() -> None:
-    with pytest.raises(ValueError, match=r"`strategy`='zero4'.*\['3d', 'dp', .*'zero3'.*HINT: did you mean 'zero3'\?"):
+    with pytest.raises(ValueError, match=r"`strategy`='zero4'.*\['3d', 'cp', 'dp', .*'zero3'.*HINT: did you mean 'zero3'\?"):
         lightning_parallel.strategy_from_name("zero4")
     with pytest.raises(ValueError, match=r"invalid strategy name"):  # the plain Trainer: Lightning's own message
         pl.Trainer(accelerator="cpu", devices=2, strategy="zero4", logger=False)

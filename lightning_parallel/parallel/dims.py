@@ -145,8 +145,8 @@ class ParallelDims:
             if world_size % model_degrees:
                 raise config_error(
                     ValueError,
-                    "tensor_parallel_size * pipeline_parallel_size * context_parallel_size",
-                    f"{tp} * {pp} * {cp} = {model_degrees}",
+                    "tensor_parallel_size * pipeline_parallel_size" + (" * context_parallel_size" if cp > 1 else ""),
+                    f"{tp} * {pp}" + (f" * {cp}" if cp > 1 else "") + f" = {model_degrees}",
                     f"the product must divide the world size {world_size}",
                     "choose degrees whose product divides the number of processes (devices x num_nodes)",
                 )
@@ -156,8 +156,8 @@ class ParallelDims:
             if dp * model_degrees != world_size:
                 raise config_error(
                     ValueError,
-                    "data_parallel_size * tensor_parallel_size * pipeline_parallel_size * context_parallel_size",
-                    f"{dp} * {tp} * {pp} * {cp} = {dp * model_degrees}",
+                    "data_parallel_size * tensor_parallel_size * pipeline_parallel_size" + (" * context_parallel_size" if cp > 1 else ""),
+                    f"{dp} * {tp} * {pp}" + (f" * {cp}" if cp > 1 else "") + f" = {dp * model_degrees}",
                     f"the product must equal the world size {world_size}",
                     'set data_parallel_size="auto" to use the remaining processes, or change devices/num_nodes',
                 )

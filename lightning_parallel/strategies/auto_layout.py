@@ -37,6 +37,8 @@ def engine_check(strategy: Any, module: nn.Module) -> Any:
     from lightning_parallel.parallel.compile import check_compile_layout
     from lightning_parallel.parallel.tensor.plan import resolve_tp_plan
     from lightning_parallel.parallel.tensor.split_share import check_split_share
+    from lightning_parallel.parallel.dims import ParallelDims
+    from lightning_parallel.strategies.context import check_context_layout
     from lightning_parallel.strategies.options import check_pipeline_precision, validate_options
     from lightning_parallel.strategies.pipeline.config import resolve_pipeline_config
 
@@ -62,6 +64,10 @@ def engine_check(strategy: Any, module: nn.Module) -> Any:
                 sequence_parallel=strategy.sequence_parallel, tp_plan=strategy.tp_plan, loss_parallel=strategy.loss_parallel,
             )
             check_compile_layout(getattr(strategy, "_compile_kwargs", None), layout.pp, layout.tp)  # compiled blocks
+            cp = strategy._degrees.get("context_parallel_size", 1)
+            if isinstance(cp, int) and cp > 1:  # planned on world / cp ranks; cp refuses pp and ep for now
+                check_context_layout(ParallelDims(world_size=layout.dp * layout.tp * layout.pp * cp, dp_replicate=layout.dp,
+                                                  tp=layout.tp, pp=layout.pp, ep=layout.ep, cp=cp), bool(strategy.compile_blocks))
             if layout.tp > 1:  # a tp degree whose plan splits too little would be refused (split_share.py)
                 split_checked(layout.tp, layout.ep)
             if layout.pp > 1:

@@ -55,7 +55,9 @@ def _rebuild(batch: Any, new: dict[str, Tensor], path: str = "") -> Any:
             return values
     if isinstance(batch, (list, tuple)):
         items = [_rebuild(v, new, child(i)) for i, v in enumerate(batch)]
-        return type(batch)(*items) if hasattr(batch, "_fields") else type(batch)(items)
+        if isinstance(batch, tuple) and type(batch) is not tuple:  # a named tuple is built from its fields
+            return type(batch)(*items)
+        return type(batch)(items)
     return batch
 
 

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from lightning_parallel.parallel.context import attention
 from lightning_parallel.parallel.context.attention import context_attention, visibility
 from lightning_parallel.parallel.context.chunks import ChunkLayout
 from lightning_parallel.testing import run_distributed
@@ -49,8 +50,11 @@ def _reference(q, k, v, valid, grad, causal, window, padding):
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def _check_all(seq: int) -> list[tuple[str, str, float]]:
-    """Every case and form on this group; returns (case, form, worst relative error)."""
+def _check_all(seq: int, tile_elements: int | None = None) -> list[tuple[str, str, float]]:
+    """Every case and form on this group; returns (case, form, worst relative error). ``tile_elements``:
+    the ring's query tiles made small, so a block is computed in several tiles."""
+    if tile_elements is not None:
+        attention.TILE_ELEMENTS = tile_elements
     group, rank, cp = dist.group.WORLD, dist.get_rank(), dist.get_world_size()
     layout = ChunkLayout(seq, cp, rank)
     results = []
@@ -71,10 +75,10 @@ def _check_all(seq: int) -> list[tuple[str, str, float]]:
     return results
 
 
-@pytest.mark.parametrize("cp", [2, 4])
-def test_context_attention_matches_full_attention(cp: int) -> None:
-    for label, form, worst in run_distributed(_check_all, cp, 24)[0]:
-        assert worst < 1e-10, f"{label} / {form} at cp{cp}: relative error {worst:.2e}"
+@pytest.mark.parametrize("cp,tile_elements", [(2, None), (2, 200), (4, None)])
+def test_context_attention_matches_full_attention(cp: int, tile_elements: int | None) -> None:
+    for label, form, worst in run_distributed(_check_all, cp, 24, tile_elements)[0]:
+        assert worst < 1e-10, f"{label} / {form} at cp{cp} (tiles of {tile_elements} scores): relative error {worst:.2e}"
 
 
 def test_chunk_layout_is_head_tail_balanced() -> None:

@@ -99,6 +99,47 @@ def _merge(out: Tensor | None, lse: Tensor | None, block_out: Tensor, block_lse:
     return out * w_old + block_out * w_new, new
 
 
+# Scores held at once by one query tile of a ring block (2**24 elements: 64 MiB in fp32): the ring's
+# transient memory stays bounded whatever the block length, as a flash kernel's tiles keep it.
+TILE_ELEMENTS = 1 << 24
+
+
+def _tiles(q: Tensor, k_len: int) -> list[slice]:
+    rows = max(1, TILE_ELEMENTS // max(1, q.size(0) * q.size(1) * k_len))
+    return [slice(i, min(i + rows, q.size(2))) for i in range(0, q.size(2), rows)]
+
+
+def _rows(mask: Tensor | None, rows: slice) -> Tensor | None:
+    return mask if mask is None or mask.size(2) == 1 else mask[:, :, rows]
+
+
+def _block_forward(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, scale: float) -> tuple[Tensor, Tensor]:
+    """Attention of ``q`` over one key block: its output and log-sum-exp, one query tile at a time."""
+    outs, lses = [], []
+    for rows in _tiles(q, keys.size(2)):
+        s = _scores(q[:, :, rows], keys, _rows(mask, rows), scale)
+        lse = torch.logsumexp(s, dim=-1)
+        outs.append(torch.matmul(_probabilities(s, lse), _acc(values)))
+        lses.append(lse)
+        del s
+    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+
+
+def _block_backward(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, scale: float, dout: Tensor,
+                    delta: Tensor, lse: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of one key block's share (flash-attention backward: probabilities recomputed from the
+    whole sequence's log-sum-exp), one query tile at a time; key/value gradients per query head."""
+    dq, dk, dv = [], torch.zeros_like(keys), torch.zeros_like(values)
+    for rows in _tiles(q, keys.size(2)):
+        p = _probabilities(_scores(q[:, :, rows], keys, _rows(mask, rows), scale), lse[:, :, rows])
+        ds = p * (torch.matmul(dout[:, :, rows], values.transpose(-1, -2)) - delta[:, :, rows])
+        dq.append(torch.matmul(ds, keys) * scale)
+        dk += torch.matmul(ds.transpose(-1, -2), _acc(q[:, :, rows])) * scale
+        dv += torch.matmul(p.transpose(-1, -2), dout[:, :, rows])
+        del p, ds
+    return torch.cat(dq, dim=2), dk, dv
+
+
 class _Ring:
     """The neighbour exchange of one ring step: send to ``rank + 1``, receive from ``rank - 1``."""
 
@@ -134,10 +175,7 @@ class _RingAttention(torch.autograd.Function):
             pending = ring.start(kv) if step < layout.cp - 1 else None  # the next block travels while this one computes
             mask = visibility(q_pos, k_pos[(layout.rank - step) % layout.cp], key_valid, causal, window)
             if mask is None or bool(mask.any()):
-                s = _scores(q, _repeat_heads(kv[0], heads), mask, scale)
-                block_lse = torch.logsumexp(s, dim=-1)
-                block_out = torch.matmul(_probabilities(s, block_lse), _acc(_repeat_heads(kv[1], heads)))
-                del s
+                block_out, block_lse = _block_forward(q, _repeat_heads(kv[0], heads), _repeat_heads(kv[1], heads), mask, scale)
                 out, lse = _merge(out, lse, block_out, block_lse)
             if pending is not None:
                 kv = _Ring.finish(*pending)
@@ -162,13 +200,11 @@ class _RingAttention(torch.autograd.Function):
         for step in range(layout.cp):
             mask = visibility(q_pos, k_pos[(layout.rank - step) % layout.cp], key_valid, ctx.causal, ctx.window)
             if mask is None or bool(mask.any()):
-                keys, values = _acc(_repeat_heads(kv[0], heads)), _acc(_repeat_heads(kv[1], heads))
-                p = _probabilities(_scores(q, keys, mask, ctx.scale), lse)
-                ds = p * (torch.matmul(dout, values.transpose(-1, -2)) - delta)
-                dq += torch.matmul(ds, keys) * ctx.scale
-                dkv[0] += _fold_heads(torch.matmul(ds.transpose(-1, -2), _acc(q)) * ctx.scale, kv.size(2))
-                dkv[1] += _fold_heads(torch.matmul(p.transpose(-1, -2), dout), kv.size(2))
-                del p, ds
+                block_dq, block_dk, block_dv = _block_backward(
+                    q, _acc(_repeat_heads(kv[0], heads)), _acc(_repeat_heads(kv[1], heads)), mask, ctx.scale, dout, delta, lse)
+                dq += block_dq
+                dkv[0] += _fold_heads(block_dk, kv.size(2))
+                dkv[1] += _fold_heads(block_dv, kv.size(2))
             if step < layout.cp - 1:
                 kv = _Ring.finish(*ring.start(kv))
                 dkv = _Ring.finish(*ring.start(dkv))

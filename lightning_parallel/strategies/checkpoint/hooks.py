@@ -13,6 +13,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_parallel.compat_lightning import trainer_call_weights_only, unwrap_optimizer
+from lightning_parallel.parallel.data.loader_view import data_parallel_view, with_data_parallel_view
 from lightning_parallel.strategies.checkpoint import files as ckpt
 from lightning_parallel.strategies.checkpoint.resume import (
     RNG_KEY,
@@ -86,7 +87,12 @@ class CheckpointHooksMixin:
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        """Resume mid-epoch at the right batch (see :mod:`lightning_parallel.strategies.checkpoint.resume`)."""
+        """Datasets that shard themselves by rank (litdata's ``StreamingDataset``, ...) get the
+        data-parallel view the sampler gets (:mod:`lightning_parallel.parallel.data.loader_view`);
+        then resume mid-epoch at the right batch (see :mod:`lightning_parallel.strategies.checkpoint.resume`)."""
+        sampler = self.distributed_sampler_kwargs
+        view = data_parallel_view(sampler["num_replicas"], sampler["rank"], nodes=self.num_nodes)
+        dataloader = with_data_parallel_view(dataloader, view)
         return make_resumable(dataloader, self._batches_to_skip, lambda _: restore_rng_state(self._resume_rng))
 
     def _batches_to_skip(self, loader: torch.utils.data.DataLoader) -> int:

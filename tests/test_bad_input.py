@@ -48,6 +48,10 @@ WRONG_TYPE: list[tuple[str, dict[str, Any], int | None, type[Exception], str]] =
     ("process_group_backend int", {"process_group_backend": 3}, None, TypeError, "process_group_backend"),
     ("max_nonfinite_skips str", {"max_nonfinite_skips": "3"}, None, TypeError, "max_nonfinite_skips"),
     ("tensor_parallel_min_split str", {"tensor_parallel_min_split": "half"}, None, TypeError, "tensor_parallel_min_split"),
+    ("context_parallel_size float", {"context_parallel_size": 2.0}, None, TypeError, "context_parallel_size"),
+    ("context_parallel_batch_dims list", {"context_parallel_batch_dims": ["0"]}, None, TypeError, "context_parallel_batch_dims"),
+    ("context_parallel_batch_dims str dim", {"context_parallel_batch_dims": {"0": "1"}}, None, TypeError,
+     "context_parallel_batch_dims['0']"),
 ]
 
 OUT_OF_RANGE: list[tuple[str, dict[str, Any], int | None, type[Exception], str]] = [
@@ -78,6 +82,9 @@ OUT_OF_RANGE: list[tuple[str, dict[str, Any], int | None, type[Exception], str]]
     ("on_nonfinite unknown", {"on_nonfinite": "ignore"}, None, ValueError, "on_nonfinite"),
     ("max_nonfinite_skips 0", {"max_nonfinite_skips": 0}, None, ValueError, "max_nonfinite_skips"),
     ("fsdp_units unknown", {"fsdp_units": "layer"}, None, ValueError, "fsdp_units"),
+    ("context_parallel_size 0", {"context_parallel_size": 0}, None, ValueError, "context_parallel_size"),
+    ("context_parallel_attention unknown", {"context_parallel_attention": "ulysses2"}, None, ValueError,
+     "context_parallel_attention"),
 ]
 
 INCOMPATIBLE: list[tuple[str, dict[str, Any], int | None, type[Exception], str]] = [
@@ -93,6 +100,12 @@ INCOMPATIBLE: list[tuple[str, dict[str, Any], int | None, type[Exception], str]]
     ("fsdp_units sublayer with zero 0", {"fsdp_units": "sublayer"}, None, ValueError, "fsdp_units"),
     ("fsdp_units sublayer with pp", {"fsdp_units": "sublayer", "zero_stage": 3, "pipeline_parallel_size": 2},
      None, ValueError, "fsdp_units"),
+    ("cp with pp", {"context_parallel_size": 2, "pipeline_parallel_size": 2}, None, ValueError,
+     "context_parallel_size=2 with pipeline_parallel_size"),
+    ("cp with ep", {"context_parallel_size": 2, "expert_parallel_size": 2}, None, ValueError,
+     "context_parallel_size=2 with expert_parallel_size"),
+    ("cp with compile_blocks", {"context_parallel_size": 2, "compile_blocks": True}, None, ValueError,
+     "context_parallel_size=2 with compile_blocks"),
 ]
 
 WORLD_SIZE: list[tuple[str, dict[str, Any], int | None, type[Exception], str]] = [
@@ -109,6 +122,10 @@ WORLD_SIZE: list[tuple[str, dict[str, Any], int | None, type[Exception], str]] =
      "data_parallel_replicate_size"),
     ("tp auto with dp 3 on 4", {"tensor_parallel_size": "auto", "data_parallel_size": 3}, 4, ValueError,
      "data_parallel_size * pipeline_parallel_size"),
+    ("cp 3 on 4", {"context_parallel_size": 3}, 4, ValueError,
+     "tensor_parallel_size * pipeline_parallel_size * context_parallel_size"),
+    ("cp auto with tp auto", {"context_parallel_size": "auto", "tensor_parallel_size": "auto"}, 4, ValueError,
+     "context_parallel_size"),
 ]
 
 CASES = WRONG_TYPE + OUT_OF_RANGE + INCOMPATIBLE + WORLD_SIZE
@@ -137,7 +154,7 @@ def test_presets_take_overrides_through_the_same_checks() -> None:
 
 
 def test_the_count_readme_states() -> None:
-    assert len(CASES) == 71  # docs/options.md, "Bad input": keep both in step when adding cases
+    assert len(CASES) == 81  # docs/options.md, "Bad input": keep both in step when adding cases
 
 
 def test_pipelines_refuse_a_trainer_precision_they_would_ignore() -> None:

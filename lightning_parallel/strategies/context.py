@@ -12,31 +12,14 @@ from typing import Any
 from torch import Tensor
 
 from lightning_parallel.parallel.context.batch import split_batch
+from lightning_parallel.parallel.context.options import check_context_combination
 from lightning_parallel.parallel.context.step import ContextStep, activate, active_step, deactivate
 from lightning_parallel.parallel.dims import CP, ParallelDims
-from lightning_parallel.parallel.errors import config_error
 
 
 def check_context_layout(dims: ParallelDims, compile_blocks: bool) -> None:
-    """Combinations context parallelism does not run yet: typed errors before any collective."""
-    if dims.cp == 1:
-        return
-    for name, degree, why in (
-        ("pipeline_parallel_size", dims.pp, "pipeline stages are traced graphs, and the cp routing hooks the whole model's call"),
-        ("expert_parallel_size", dims.ep, "experts are drawn from the data-parallel ranks, not yet from dp x cp"),
-    ):
-        if degree > 1:
-            raise config_error(
-                ValueError, f"context_parallel_size={dims.cp} with {name}", degree,
-                f"context parallelism does not compose with it yet ({why})",
-                f"use context parallelism with data, ZeRO and tensor parallelism, or set {name}=1",
-            )
-    if compile_blocks:
-        raise config_error(
-            ValueError, f"context_parallel_size={dims.cp} with compile_blocks", compile_blocks,
-            "the context-parallel attention exchanges keys and values inside each block, which torch.compile does not trace here",
-            "set compile_blocks=False",
-        )
+    """The resolved degrees' combinations context parallelism refuses (``parallel/context/options.py``)."""
+    check_context_combination(dims.cp, dims.pp, dims.ep, compile_blocks)
 
 
 def begin_step(dims: ParallelDims, form: str, batch_dims: dict[str, Any] | None, args: tuple) -> tuple:

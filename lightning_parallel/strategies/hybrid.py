@@ -57,7 +57,7 @@ from lightning_parallel.strategies import precision as prec
 from lightning_parallel.strategies.checkpoint.async_save import AsyncCheckpointWriter
 from lightning_parallel.strategies.collective_errors import nccl_watchdog_defaults
 from lightning_parallel.strategies.preflight import resolve_layout
-from lightning_parallel.parallel.context.options import validate_context_options
+from lightning_parallel.parallel.context.options import check_context_combination, validate_context_options
 from lightning_parallel.strategies.nonfinite import NonFiniteGuard, NonFiniteMode, validate_nonfinite
 from lightning_parallel.strategies.process_group import check_backend, default_backend, init_process_group
 from lightning_parallel.strategies.checkpoint.hooks import CheckpointHooksMixin
@@ -211,6 +211,8 @@ class HybridParallelStrategy(LayoutMixin, StepHooksMixin, CollectivesMixin, Chec
         )
         validate_nonfinite(on_nonfinite, max_nonfinite_skips)
         validate_context_options(context_parallel_attention, context_parallel_batch_dims)
+        check_context_combination(*(d if isinstance(d, int) else 1 for d in (
+            context_parallel_size, pipeline_parallel_size, expert_parallel_size)), bool(compile_blocks))
         check_fsdp_units(fsdp_units, zero_stage, tensor_parallel_size, pipeline_parallel_size)
         compile_options = compile_kwargs(compile_blocks)  # typed errors here, before any process group
         check_compile_layout(compile_options, *(d if isinstance(d, int) else 1 for d in (pipeline_parallel_size, tensor_parallel_size)))

@@ -30,3 +30,26 @@ def validate_context_options(attention: Any, batch_dims: Any) -> None:
                 "keys are entry paths ('input_ids', '0', '1.mask') and values a dim >= 0 to split along, or None to keep whole",
                 "pass e.g. context_parallel_batch_dims={'0': 1}",
             )
+
+
+def check_context_combination(cp: int, pp: int, ep: int, compile_blocks: bool) -> None:
+    """Combinations context parallelism does not run yet: typed errors before any collective (in
+    ``__init__`` for int degrees, again once "auto" degrees are resolved)."""
+    if cp == 1:
+        return
+    for name, degree, why in (
+        ("pipeline_parallel_size", pp, "pipeline stages are traced graphs, and the cp routing hooks the whole model's call"),
+        ("expert_parallel_size", ep, "experts are drawn from the data-parallel ranks, not yet from dp x cp"),
+    ):
+        if degree > 1:
+            raise config_error(
+                ValueError, f"context_parallel_size={cp} with {name}", degree,
+                f"context parallelism does not compose with it yet ({why})",
+                f"use context parallelism with data, ZeRO and tensor parallelism, or set {name}=1",
+            )
+    if compile_blocks:
+        raise config_error(
+            ValueError, f"context_parallel_size={cp} with compile_blocks", compile_blocks,
+            "the context-parallel attention exchanges keys and values inside each block, which torch.compile does not trace here",
+            "set compile_blocks=False",
+        )

@@ -11,11 +11,13 @@ padding in the batch where marked and Mistral's sliding window shorter than the 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
+import torch
 
 from lightning_parallel.testing import run_distributed
-from lightning_parallel.testing.parity import FitSpec
+from lightning_parallel.testing.parity import FitSpec, run_fits_in_fresh_process
 from tests.test_data_parallel import HYBRID, _reference, assert_parity
 from tests.test_hf_tp import _hf, fits_or_errors
 
@@ -83,3 +85,25 @@ def test_hf_models_cp4_dp_cp_tp_cp_match_single_process() -> None:
     results = run_distributed(fits_or_errors, 4, [spec for _, spec in CP4_CASES], init_backend=None, timeout=900)
     for i, (label, spec) in enumerate(CP4_CASES):
         _assert_cp_parity(label, [rank[i] for rank in results], spec)
+
+
+def test_checkpoints_move_between_cp_and_one_process(tmp_path: Path) -> None:
+    """Train an epoch (3 steps) under cp2 x ZeRO-3 (sharded checkpoint), resume on one process; and one
+    process (single file) resumed under cp2 with the ring: the next 3 steps equal an uninterrupted run's."""
+    base = dataclasses.replace(_hf("llama", "labels"), data_kwargs={"num_samples": 24}, max_steps=-1)
+    reference = run_fits_in_fresh_process([dataclasses.replace(base, max_epochs=2)])[0]
+    cp_file, single_file = tmp_path / "cp.ckpt", tmp_path / "single.ckpt"
+    first_cp = _cp(dataclasses.replace(base, max_epochs=1, save_to=str(cp_file)), "allgather", zero_stage=3)
+    then_cp = _cp(dataclasses.replace(base, max_epochs=2, resume_from=str(single_file)), "ring")
+    run_fits_in_fresh_process([dataclasses.replace(base, max_epochs=1, save_to=str(single_file))])
+    run_distributed(fits_or_errors, 2, [first_cp], init_backend=None, timeout=600)
+    resumed_single = run_fits_in_fresh_process([dataclasses.replace(  # the strategy on one process reads the sharded directory
+        base, max_epochs=2, resume_from=str(cp_file), strategy={"class": HYBRID})])[0]
+    resumed_cp = run_distributed(fits_or_errors, 2, [then_cp], init_backend=None, timeout=600)[0][0]
+    for label, resumed in (("cp2 zero3 -> one process", resumed_single), ("one process -> cp2 ring", resumed_cp)):
+        assert "error" not in resumed, resumed.get("trace")
+        torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(reference["losses"][3:]), rtol=1e-5, atol=0,
+                                   msg=lambda m: f"{label}: {m}")
+        for name, ref in reference["params"].items():
+            error = float((resumed["params"][name] - ref).norm() / ref.norm().clamp_min(1e-12))
+            assert error <= 1e-5, f"{label} {name}: relative error {error:.2e}"

@@ -102,8 +102,6 @@ INCOMPATIBLE: list[tuple[str, dict[str, Any], int | None, type[Exception], str]]
      None, ValueError, "fsdp_units"),
     ("cp with pp", {"context_parallel_size": 2, "pipeline_parallel_size": 2}, None, ValueError,
      "context_parallel_size=2 with pipeline_parallel_size"),
-    ("cp with ep", {"context_parallel_size": 2, "expert_parallel_size": 2}, None, ValueError,
-     "context_parallel_size=2 with expert_parallel_size"),
     ("cp with compile_blocks", {"context_parallel_size": 2, "compile_blocks": True}, None, ValueError,
      "context_parallel_size=2 with compile_blocks"),
 ]
@@ -124,6 +122,7 @@ WORLD_SIZE: list[tuple[str, dict[str, Any], int | None, type[Exception], str]] =
      "data_parallel_size * pipeline_parallel_size"),
     ("cp 3 on 4", {"context_parallel_size": 3}, 4, ValueError,
      "tensor_parallel_size * pipeline_parallel_size * context_parallel_size"),
+    ("ep 3 on dp2 x cp2", {"context_parallel_size": 2, "expert_parallel_size": 3}, 4, ValueError, "expert_parallel_size"),
     ("cp auto with tp auto", {"context_parallel_size": "auto", "tensor_parallel_size": "auto"}, 4, ValueError,
      "context_parallel_size"),
 ]

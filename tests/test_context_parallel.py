@@ -45,6 +45,7 @@ CP2_CASES: list[tuple[str, FitSpec]] = [
     ("gpt2 logits ring", _cp(_hf("gpt2"), "ring")),
     ("mistral sliding window labels padding ring", _cp(_mistral("labels", padding=True), "ring")),
     ("mistral sliding window labels allgather", _cp(_mistral("labels"), "allgather")),
+    ("cp2 ep2 qwen2_moe logits ring", _cp(_hf("qwen2_moe"), "ring", expert_parallel_size=2)),  # experts over the cp pair
 ]
 
 
@@ -76,11 +77,15 @@ CP4_CASES: list[tuple[str, FitSpec]] = [
     ("dp2xcp2 zero3 gpt2 labels ring", _cp(_hf("gpt2", "labels"), "ring", 4, data_parallel_size=2, zero_stage=3)),
     ("tp2xcp2 llama labels padding allgather", _cp(_hf("llama", "labels", padding=True), "allgather", 4, tensor_parallel_size=2)),
     ("tp2xcp2 qwen2 logits ring", _cp(_hf("qwen2"), "ring", 4, tensor_parallel_size=2)),
+    # experts drawn from dp x cp: ep2 inside each cp pair's 4 ranks of tokens
+    ("dp2xcp2 ep2 mixtral labels allgather", _cp(_hf("mixtral", "labels"), "allgather", 4, data_parallel_size=2,
+                                                 expert_parallel_size=2)),
 ]
 
 
 def test_hf_models_cp4_dp_cp_tp_cp_match_single_process() -> None:
-    """Four ranks: cp4, dp2 x cp2 (DDP and ZeRO-3 over dp x cp), tp2 x cp2 (heads split by tp, sequence by cp).
+    """Four ranks: cp4, dp2 x cp2 (DDP and ZeRO-3 over dp x cp), tp2 x cp2 (heads split by tp, sequence by cp),
+    dp2 x cp2 x ep2 (experts drawn from the dp x cp ranks).
     dp2 cases carry no padding: HF's loss is a mean over each data-parallel rank's own tokens (see test_hf_tp)."""
     results = run_distributed(fits_or_errors, 4, [spec for _, spec in CP4_CASES], init_backend=None, timeout=900)
     for i, (label, spec) in enumerate(CP4_CASES):

@@ -6,7 +6,7 @@ are the same ranks whichever technique asks. Axis order, outermost first, is
 (fastest, e.g. NVLink-local) ranks, context parallelism (keys and values of every attention
 layer, parallel/context/) the next, pipeline stages talk least and span the slowest links.
 Experts are drawn from the data-parallel ranks: the expert mesh splits the flattened ``dp``
-axis into ``edp`` (outer) and ``ep`` (inner). Context-parallel ranks see the same samples (the
+axis (``dp_cp`` under context parallelism) into ``edp`` (outer) and ``ep`` (inner). Context-parallel ranks see the same samples (the
 sampler's view is ``dp``) but hold different gradients, so gradients are reduced, and ZeRO
 shards, over ``dp x cp`` (``dp_cp``), as torchtitan does.
 """
@@ -161,15 +161,18 @@ class ParallelDims:
                     f"the product must equal the world size {world_size}",
                     'set data_parallel_size="auto" to use the remaining processes, or change devices/num_nodes',
                 )
-        # "auto" expert parallelism spreads the experts over every data-parallel rank.
-        ep = dp if expert_parallel_size == "auto" else expert_parallel_size
-        if dp % ep:
+        # "auto" expert parallelism spreads the experts over every data-parallel rank (x context-parallel:
+        # those ranks hold different tokens too, so experts are drawn from dp x cp).
+        tokens = dp * cp
+        ep = tokens if expert_parallel_size == "auto" else expert_parallel_size
+        if tokens % ep:
+            where = f"data_parallel_size={dp}" + (f" x context_parallel_size={cp}" if cp > 1 else "")
             raise config_error(
                 ValueError,
                 "expert_parallel_size",
                 ep,
-                f"expert-parallel ranks are drawn from the data-parallel ranks, so it must divide data_parallel_size={dp}",
-                f"choose an expert_parallel_size among the divisors of {dp}",
+                f"expert-parallel ranks are drawn from the data-parallel ranks, so it must divide {where}",
+                f"choose an expert_parallel_size among the divisors of {tokens}",
             )
         dp_replicate, dp_shard = (1, dp) if sharded else (dp, 1)
         if hybrid:
@@ -229,7 +232,8 @@ class ParallelDims:
         if self.pp > 1 and self.tp > 1:
             derived[PP_DP] = flatten_mesh(mesh[(PP, DP_REPLICATE, DP_SHARD)], PP_DP)
         if self.ep > 1:
-            expert = unflatten_mesh(derived[DP], 0, (self.dp // self.ep, self.ep), (EDP, EP))
+            tokens = derived[DP_CP] if self.cp > 1 else derived[DP]
+            expert = unflatten_mesh(tokens, 0, (self.grad_size // self.ep, self.ep), (EDP, EP))
             derived[EDP], derived[EP] = expert[EDP], expert[EP]
         object.__setattr__(self, "_mesh", mesh)
         object.__setattr__(self, "_axes", derived)

@@ -19,7 +19,7 @@ from lightning_parallel.parallel.dims import CP, ParallelDims
 
 def check_context_layout(dims: ParallelDims, compile_blocks: bool) -> None:
     """The resolved degrees' combinations context parallelism refuses (``parallel/context/options.py``)."""
-    check_context_combination(dims.cp, dims.pp, dims.ep, compile_blocks)
+    check_context_combination(dims.cp, dims.pp, compile_blocks)
 
 
 def begin_step(dims: ParallelDims, form: str, batch_dims: dict[str, Any] | None, args: tuple) -> tuple:

@@ -21,32 +21,33 @@ from lightning_parallel.nn.moe import (
     set_moe_loss_coefs,
     set_moe_stats_group,
 )
-from lightning_parallel.parallel.dims import DP, EDP, EP, ParallelDims
+from lightning_parallel.parallel.dims import EDP, EP, ParallelDims
 from lightning_parallel.parallel.experts.apply import apply_expert_parallel, find_expert_modules
 
 
 def apply_experts(
     module: nn.Module, dims: ParallelDims, aux_coef: float | None, z_coef: float | None
 ) -> tuple[dict[str, nn.Module], list[nn.Parameter]]:
-    """Shard experts over ``ep``; MoE balance losses use global-batch statistics over ``dp``.
+    """Shard experts over ``ep``; MoE balance losses use global-batch statistics over ``dp`` (x ``cp``).
 
     Returns the experts modules (FSDP2 shards them over ``edp`` on their own) and their
     parameters (DDP leaves them to :func:`reduce_expert_grads`).
     """
     if aux_coef is not None or z_coef is not None:
         set_moe_loss_coefs(module, aux=aux_coef, z=z_coef)
+    tokens = dims.axis(dims.grad_axis) if dims.grad_size > 1 else None  # ranks holding different tokens: dp (x cp)
     if dims.ep == 1:
-        if dims.dp > 1 and any(isinstance(m, MoE) for m in module.modules()):
-            set_moe_stats_group(module, dims.axis(DP).get_group())
+        if tokens is not None and any(isinstance(m, MoE) for m in module.modules()):
+            set_moe_stats_group(module, tokens.get_group())
         return {}, []
     experts = find_expert_modules(module)
-    names = set(apply_expert_parallel(module, dims.axis(EP), dims.axis(DP)))
+    names = set(apply_expert_parallel(module, dims.axis(EP), tokens))
     return experts, [p for n, p in module.named_parameters() if n in names]
 
 
 def reduce_expert_grads(params: list[nn.Parameter], dims: ParallelDims) -> None:
     """DDP path: expert gradients are averaged over the ranks holding the same experts (edp)."""
-    edp = dims.dp // dims.ep
+    edp = dims.grad_size // dims.ep
     if not params or edp == 1:
         return
     group = dims.axis(EDP).get_group()

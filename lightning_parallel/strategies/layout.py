@@ -163,7 +163,7 @@ class LayoutMixin:
         """Apply the techniques in the documented order; return what Lightning should call."""
         dims = self.parallel_dims
         fsdp = dims.pp == 1 and dims.grad_size > 1 and (self.zero_stage >= 2 or dims.tp > 1)
-        check_fsdp_units(self.fsdp_units, self.zero_stage, dims.tp, dims.pp, dims.dp)  # every rank, before any collective
+        check_fsdp_units(self.fsdp_units, self.zero_stage, dims.tp, dims.pp, dims.grad_size)  # every rank, before any collective
         if dims.pp > 1:
             from lightning_parallel.strategies.pipeline.driver import PipelineDriver
 

@@ -32,21 +32,18 @@ def validate_context_options(attention: Any, batch_dims: Any) -> None:
             )
 
 
-def check_context_combination(cp: int, pp: int, ep: int, compile_blocks: bool) -> None:
+def check_context_combination(cp: int, pp: int, compile_blocks: bool) -> None:
     """Combinations context parallelism does not run yet: typed errors before any collective (in
     ``__init__`` for int degrees, again once "auto" degrees are resolved)."""
     if cp == 1:
         return
-    for name, degree, why in (
-        ("pipeline_parallel_size", pp, "pipeline stages are traced graphs, and the cp routing hooks the whole model's call"),
-        ("expert_parallel_size", ep, "experts are drawn from the data-parallel ranks, not yet from dp x cp"),
-    ):
-        if degree > 1:
-            raise config_error(
-                ValueError, f"context_parallel_size={cp} with {name}", degree,
-                f"context parallelism does not compose with it yet ({why})",
-                f"use context parallelism with data, ZeRO and tensor parallelism, or set {name}=1",
-            )
+    if pp > 1:
+        raise config_error(
+            ValueError, f"context_parallel_size={cp} with pipeline_parallel_size", pp,
+            "context parallelism does not compose with pipelines yet (stages are traced graphs, and the cp routing"
+            " hooks the whole model's call)",
+            "use context parallelism with data, ZeRO, tensor and expert parallelism, or set pipeline_parallel_size=1",
+        )
     if compile_blocks:
         raise config_error(
             ValueError, f"context_parallel_size={cp} with compile_blocks", compile_blocks,

@@ -61,7 +61,7 @@ def _check_all(seq: int, tile_elements: int | None = None) -> list[tuple[str, st
     for label, causal, window, padding, kv_heads in CASES:
         q, k, v, valid, grad = _inputs(seq, kv_heads, padding)
         ref = _reference(q, k, v, valid, grad, causal, window, padding)
-        for form in ("allgather", "ring"):
+        for form in ("allgather", "ring", "ulysses"):
             lq, lk, lv = (layout.split(t, 2).clone().requires_grad_() for t in (q, k, v))
             out = context_attention(form, lq, lk, lv, layout, group, key_valid=valid if padding else None,
                                     causal=causal, window=window, scale=8 ** -0.5)
@@ -91,3 +91,18 @@ def test_chunk_layout_is_head_tail_balanced() -> None:
     # causal work per rank: pairs (i, j <= i) are equal under head-tail chunks
     pairs = [int(sum(p + 1 for p in ChunkLayout(64, 4, r).positions().tolist())) for r in range(4)]
     assert len(set(pairs)) == 1, pairs
+
+
+def _ulysses_with_three_heads() -> str:
+    layout = ChunkLayout(8, 2, dist.get_rank())
+    q = torch.randn(1, 3, 4, 8)
+    try:
+        context_attention("ulysses", q, q, q, layout, dist.group.WORLD, key_valid=None, causal=True, window=None, scale=1.0)
+    except ValueError as error:
+        return str(error)
+    return "accepted"
+
+
+def test_ulysses_needs_heads_the_group_divides() -> None:
+    for message in run_distributed(_ulysses_with_three_heads, 2):
+        assert "context_parallel_size=2 must divide them" in message and "HINT" in message, message

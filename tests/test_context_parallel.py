@@ -1,7 +1,7 @@
 """Context parallelism on real Hugging Face classes against one process on the whole sequence.
 
 Each sequence is cut into head-tail chunks over the ``cp`` ranks; attention runs across them
-(both forms: all-gather of keys and values, ring), positions stay global (RoPE in Llama, Qwen2
+(all three forms: all-gather of keys and values, ring, Ulysses all-to-all), positions stay global (RoPE in Llama, Qwen2
 and Mistral; GPT-2's learned positions), the ``labels=`` loss shifts over the whole sequence, and
 gradients are averaged over dp x cp. Every case must match one process (per-step losses, final
 parameters, relative 1e-5 per tensor) over 5 steps with gradient clipping active, with left
@@ -15,11 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils.data import TensorDataset
 
 from lightning_parallel.testing import run_distributed
-from lightning_parallel.testing.parity import FitSpec, run_fits_in_fresh_process
+from lightning_parallel.testing.parity import FitSpec, run_fits_in_fresh_process, token_data
 from tests.test_data_parallel import HYBRID, _reference, assert_parity
-from tests.test_hf_tp import _hf, fits_or_errors
+from tests.test_hf_tp import TOKENS, _hf, fits_or_errors
 
 # Mistral with a sliding window (6) shorter than the sequence (16): the window crosses chunk boundaries.
 MISTRAL = {"family": "MistralConfig/MistralForCausalLM", "config": {
@@ -45,6 +46,8 @@ CP2_CASES: list[tuple[str, FitSpec]] = [
     ("gpt2 logits ring", _cp(_hf("gpt2"), "ring")),
     ("mistral sliding window labels padding ring", _cp(_mistral("labels", padding=True), "ring")),
     ("mistral sliding window labels allgather", _cp(_mistral("labels"), "allgather")),
+    ("llama labels padding ulysses", _cp(_hf("llama", "labels", padding=True), "ulysses")),
+    ("gpt2 logits ulysses", _cp(_hf("gpt2"), "ulysses")),
     ("cp2 ep2 qwen2_moe logits ring", _cp(_hf("qwen2_moe"), "ring", expert_parallel_size=2)),  # experts over the cp pair
 ]
 
@@ -77,6 +80,9 @@ CP4_CASES: list[tuple[str, FitSpec]] = [
     ("dp2xcp2 zero3 gpt2 labels ring", _cp(_hf("gpt2", "labels"), "ring", 4, data_parallel_size=2, zero_stage=3)),
     ("tp2xcp2 llama labels padding allgather", _cp(_hf("llama", "labels", padding=True), "allgather", 4, tensor_parallel_size=2)),
     ("tp2xcp2 qwen2 logits ring", _cp(_hf("qwen2"), "ring", 4, tensor_parallel_size=2)),
+    ("tp2xcp2 llama labels ulysses", _cp(_hf("llama", "labels"), "ulysses", 4, tensor_parallel_size=2)),
+    ("cp4 mistral sliding window labels padding ulysses", _cp(_mistral("labels", padding=True), "ulysses", 4,
+                                                             context_parallel_size=4)),
     # experts drawn from dp x cp: ep2 inside each cp pair's 4 ranks of tokens
     ("dp2xcp2 ep2 mixtral labels allgather", _cp(_hf("mixtral", "labels"), "allgather", 4, data_parallel_size=2,
                                                  expert_parallel_size=2)),
@@ -112,3 +118,28 @@ def test_checkpoints_move_between_cp_and_one_process(tmp_path: Path) -> None:
         for name, ref in reference["params"].items():
             error = float((resumed["params"][name] - ref).norm() / ref.norm().clamp_min(1e-12))
             assert error <= 1e-5, f"{label} {name}: relative error {error:.2e}"
+
+
+def ambiguous_data(num_samples: int = 32) -> TensorDataset:
+    """Tokens beside a per-sample [S, S] tensor: the sequence length is in two of its dims."""
+    tokens = token_data(num_samples=num_samples).tensors[0]
+    return TensorDataset(tokens, torch.zeros(num_samples, tokens.size(1), tokens.size(1)))
+
+
+def test_refusals_are_typed_errors() -> None:
+    """What context parallelism cannot run is a ValueError naming the cause and the fix, on every rank."""
+    cases = [
+        ("not a transformers model", FitSpec(model="lightning_parallel.models:GPT", data=TOKENS,
+                                             model_kwargs={"vocab_size": 64, "block_size": 16, "n_layer": 2, "n_head": 4,
+                                                           "n_embd": 32}), "holds no transformers PreTrainedModel"),
+        ("attention dropout", dataclasses.replace(_hf("llama"), model_kwargs={
+            **_hf("llama").model_kwargs, "config": {"attention_dropout": 0.1}}), "attention dropout"),
+        ("length 18 on cp2", dataclasses.replace(_hf("llama"), data_kwargs={"block_size": 18}), "multiple of it"),
+        ("ambiguous entry", dataclasses.replace(_hf("llama"), data=f"{__name__}:ambiguous_data"),
+         "context_parallel_batch_dims={'1': <dim to split>}"),
+    ]
+    specs = [_cp(dataclasses.replace(spec, max_steps=1), "allgather") for _, spec, _ in cases]
+    for rank in run_distributed(fits_or_errors, 2, specs, init_backend=None, timeout=600):
+        for (label, _, needle), result in zip(cases, rank):
+            assert result.get("error") == "ValueError", (label, result)
+            assert needle in result["message"] and "HINT" in result["message"], (label, result["message"])

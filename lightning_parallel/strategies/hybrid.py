@@ -83,8 +83,9 @@ class HybridParallelStrategy(LayoutMixin, StepHooksMixin, CollectivesMixin, Chec
         context_parallel_size: ranks that split every sequence (head-tail balanced chunks) and run attention
             across them; they see the same samples, and gradients are reduced over data x context ranks.
             For Hugging Face models inside the LightningModule (``parallel/context/``).
-        context_parallel_attention: ``"allgather"`` (keys and values gathered per layer, Llama 3's form) or
-            ``"ring"`` (keys and values passed around the group, merged by log-sum-exp).
+        context_parallel_attention: ``"allgather"`` (keys and values gathered per layer, Llama 3's form),
+            ``"ring"`` (keys and values passed around the group, merged by log-sum-exp) or ``"ulysses"``
+            (all-to-all from sequence chunks to head groups; ``context_parallel_size`` must divide the heads).
         context_parallel_batch_dims: batch entry path -> sequence dim (or None: keep whole), for entries the
             automatic rule (dim 1 of the length of the first 2-D entry) cannot tell (``parallel/context/batch.py``).
         zero_stage: 0 replicated DDP, 1 optimizer-state sharding, 2 +gradients, 3 +parameters.
@@ -139,7 +140,7 @@ class HybridParallelStrategy(LayoutMixin, StepHooksMixin, CollectivesMixin, Chec
         pipeline_parallel_size: Degree = 1,
         expert_parallel_size: Degree = 1,
         context_parallel_size: Degree = 1,
-        context_parallel_attention: Literal["allgather", "ring"] = "allgather",
+        context_parallel_attention: Literal["allgather", "ring", "ulysses"] = "allgather",
         context_parallel_batch_dims: dict[str, int | None] | None = None,
         zero_stage: int = 0,
         cpu_offload: bool = False,

@@ -13,6 +13,8 @@ forms, chosen by ``context_parallel_attention``:
   merged by their log-sum-exp (online softmax). Only two blocks live at once, the backward
   recomputes each block's probabilities from the saved log-sum-exp (the flash-attention
   backward) and sends each block's key/value gradients home along the same ring.
+* ``"ulysses"`` (DeepSpeed-Ulysses): all-to-all from sequence chunks to head groups and back
+  (``ulysses.py``), where ``cp`` divides the head count.
 
 Masks are built from global positions, so causal, padding and sliding-window masks hold across
 chunk boundaries: a query at global position ``i`` may see key ``j`` when ``j <= i`` (causal),
@@ -36,7 +38,7 @@ from torch import Tensor
 from lightning_parallel.compat import functional_collectives
 from lightning_parallel.parallel.context.chunks import ChunkLayout
 
-FORMS = ("allgather", "ring")
+FORMS = ("allgather", "ring", "ulysses")
 
 
 def visibility(q_pos: Tensor, k_pos: Tensor, key_valid: Tensor | None, causal: bool, window: int | None) -> Tensor | None:
@@ -230,5 +232,7 @@ def context_attention(form: str, q: Tensor, k: Tensor, v: Tensor, layout: ChunkL
 
     ``k``/``v`` may have fewer heads than ``q`` (grouped-query attention); ``key_valid`` is the
     global ``[B, S]`` padding mask (True = a real token) or None."""
-    fn = allgather_attention if form == "allgather" else ring_attention
+    from lightning_parallel.parallel.context.ulysses import ulysses_attention
+
+    fn = {"allgather": allgather_attention, "ring": ring_attention, "ulysses": ulysses_attention}[form]
     return fn(q, k, v, layout, group, key_valid=key_valid, causal=causal, window=window, scale=scale)

@@ -13,8 +13,8 @@ def validate_context_options(attention: Any, batch_dims: Any) -> None:
     if attention not in FORMS:
         raise config_error(
             ValueError, "context_parallel_attention", attention,
-            f"the forms are {list(FORMS)} (all-gather of keys and values, or ring pass-KV)",
-            "pass context_parallel_attention='allgather' (the default) or 'ring'",
+            f"the forms are {list(FORMS)} (all-gather of keys and values, ring pass-KV, all-to-all over heads)",
+            "pass context_parallel_attention='allgather' (the default), 'ring' or 'ulysses'",
         )
     if batch_dims is None:
         return

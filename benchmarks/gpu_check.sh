@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The prepared GPU check (issue #15, item 8): one script, under 8 minutes on one GPU.
 #   bash benchmarks/gpu_check.sh            # from the repository root, in the project's venv
-# 1. the CUDA tests (tests/gpu: NCCL parity matrix on 2+ GPUs, 3d on 4+, bf16 + compile on one);
+# 1. the CUDA tests (tests/gpu: NCCL parity matrix on 2+ GPUs, 3d on 4+, bf16 + compile on one, the context-parallel
+#    attention forms on one and cp2 on 2+);
 # 2. every strategy that fits the GPUs trains the ~125M GPT in bf16-mixed with compiled blocks,
 #    beside plain Lightning on the same model: step time, tokens/s, peak memory (allocated and
 #    reserved), MFU, ratios.

@@ -202,6 +202,13 @@ def route_hf_models(module: nn.Module, cp: int) -> list[nn.Module]:
         )
     _register()
     for model in models:
+        if "position_ids" not in inspect.signature(model.forward).parameters:
+            raise config_error(
+                ValueError, f"{type(model).__name__}.forward", "no position_ids argument",
+                "context parallelism gives each rank the global positions of its chunks through position_ids; a model"
+                " that derives positions from the length it is given would place every chunk at the start",
+                "use a model whose forward takes position_ids, or train without context_parallel_size",
+            )
         model.set_attn_implementation(ATTENTION)
         if model.config._attn_implementation != ATTENTION:
             raise config_error(

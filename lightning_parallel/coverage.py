@@ -52,12 +52,13 @@ MODELS: dict[str, FitSpec] = {
 }
 
 # name -> world size; the strategy is the registered preset of that name.
-STRATEGIES: dict[str, int] = {"dp": 2, "zero1": 2, "zero2": 2, "zero3": 2, "hsdp": 4, "tp": 2, "pp": 2, "ep": 2, "3d": 4}
+STRATEGIES: dict[str, int] = {"dp": 2, "zero1": 2, "zero2": 2, "zero3": 2, "hsdp": 4, "tp": 2, "pp": 2, "ep": 2, "cp": 2,
+                              "3d": 4}
 
 # Every model and every strategy at least once (what CI's tests cover, as one command).
 CI_SUBSET: list[tuple[str, str]] = [
     ("llama", "tp"), ("qwen2", "pp"), ("gpt2", "zero3"), ("gpt_neox", "zero1"), ("phi3", "zero2"),
-    ("mixtral", "ep"), ("qwen2_moe", "ep"), ("resnet", "dp"), ("vit", "hsdp"), ("llama", "3d"),
+    ("mixtral", "ep"), ("qwen2_moe", "ep"), ("resnet", "dp"), ("vit", "hsdp"), ("llama", "3d"), ("gpt2", "cp"),
 ]
 
 

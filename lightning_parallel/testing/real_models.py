@@ -129,6 +129,9 @@ class HFCausalLM(pl.LightningModule):
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         self.log("val_loss", self._step_loss(batch), sync_dist=True)
 
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("test_loss", self._step_loss(batch), sync_dist=True)
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 

@@ -40,7 +40,7 @@ def _mistral(loss: str, padding: bool = False) -> FitSpec:
 
 CP2_CASES: list[tuple[str, FitSpec]] = [
     ("llama logits allgather", _cp(_hf("llama"), "allgather")),
-    ("llama labels padding ring", _cp(_hf("llama", "labels", padding=True), "ring")),
+    ("llama labels padding ring, validate", _cp(dataclasses.replace(_hf("llama", "labels", padding=True), validate=True), "ring")),
     ("qwen2 labels allgather", _cp(_hf("qwen2", "labels"), "allgather")),
     ("gpt2 labels padding allgather", _cp(_hf("gpt2", "labels", padding=True), "allgather")),
     ("gpt2 logits ring", _cp(_hf("gpt2"), "ring")),
@@ -65,6 +65,9 @@ def _assert_cp_parity(label: str, ranks: list[dict[str, Any]], spec: FitSpec, re
     # token counts without padding), so the whole batch's loss is the mean over ranks either way.
     losses = [sum(step) / len(step) for step in zip(*(r["losses"] for r in ranks))]
     assert_parity(dict(ranks[0], losses=losses), reference, label, per_tensor=True, metrics=False)
+    if spec.validate:  # trainer.validate after fit: the step is cut too, val_loss (sync_dist) reduced over dp x cp
+        for rank in ranks:
+            torch.testing.assert_close(rank["metrics"]["val_loss"], reference["metrics"]["val_loss"], rtol=1e-5, atol=0)
 
 
 def test_hf_models_cp2_match_single_process() -> None:

@@ -20,6 +20,7 @@ from torch.utils.data import TensorDataset
 from lightning_parallel.testing import run_distributed
 from lightning_parallel.testing.parity import FitSpec, run_fits_in_fresh_process, token_data
 from tests.test_data_parallel import HYBRID, _reference, assert_parity
+from lightning_parallel.testing.real_models import HFCausalLM
 from tests.test_hf_tp import TOKENS, _hf, fits_or_errors
 
 # Mistral with a sliding window (6) shorter than the sequence (16): the window crosses chunk boundaries.
@@ -129,6 +130,15 @@ def ambiguous_data(num_samples: int = 32) -> TensorDataset:
     return TensorDataset(tokens, torch.zeros(num_samples, tokens.size(1), tokens.size(1)))
 
 
+class FourDMaskLM(HFCausalLM):
+    """Passes a 4-D attention mask of its own, which cannot be carried across chunks."""
+
+    def _step_loss(self, batch: Any) -> torch.Tensor:
+        x, _ = batch
+        square = torch.ones(x.size(0), 1, x.size(1), x.size(1), dtype=torch.bool, device=x.device).tril()
+        return self.model(input_ids=x, attention_mask=square, labels=x).loss
+
+
 def test_refusals_are_typed_errors() -> None:
     """What context parallelism cannot run is a ValueError naming the cause and the fix, on every rank."""
     cases = [
@@ -138,6 +148,8 @@ def test_refusals_are_typed_errors() -> None:
         ("attention dropout", dataclasses.replace(_hf("llama"), model_kwargs={
             **_hf("llama").model_kwargs, "config": {"attention_dropout": 0.1}}), "attention dropout"),
         ("length 18 on cp2", dataclasses.replace(_hf("llama"), data_kwargs={"block_size": 18}), "multiple of it"),
+        ("4-D attention mask", dataclasses.replace(_hf("llama"), model=f"{__name__}:FourDMaskLM"),
+         "only a [batch, sequence] padding mask"),
         ("ambiguous entry", dataclasses.replace(_hf("llama"), data=f"{__name__}:ambiguous_data"),
          "context_parallel_batch_dims={'1': <dim to split>}"),
     ]

@@ -138,14 +138,13 @@ def _route_inputs(model: nn.Module, step: ContextStep, call: dict[str, Any]) -> 
     if call.get("position_ids") is None:
         call["position_ids"] = step.layout.positions(device=tokens.device).unsqueeze(0).expand(batch, -1)
     mask = call.get("attention_mask")
-    if isinstance(mask, Tensor):
-        if mask.ndim != 2:
-            raise config_error(
-                ValueError, "attention_mask", tuple(mask.shape),
-                "under context parallelism only a [batch, sequence] padding mask can be carried across chunks",
-                "pass the tokenizer's 2-D attention_mask (causality and sliding windows come from the model itself)",
-            )
-        step.key_valid = step.gather(mask).bool()
+    if isinstance(mask, Tensor) and mask.ndim != 2:
+        raise config_error(
+            ValueError, "attention_mask", tuple(mask.shape),
+            "under context parallelism only a [batch, sequence] padding mask can be carried across chunks",
+            "pass the tokenizer's 2-D attention_mask (causality and sliding windows come from the model itself)",
+        )
+    step.key_valid = step.gather(mask).bool() if isinstance(mask, Tensor) else None  # this call's padding only
     labels = call.get("labels")
     if isinstance(labels, Tensor):
         for taken in ("shift_labels", "num_items_in_batch"):

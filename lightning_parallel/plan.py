@@ -39,8 +39,12 @@ Flags: ``--world-size N`` (else ``--nodes x --devices-per-node``, else as above)
 data's or model's ``block_size``), ``--dtype`` (``bf16``, ``fp16``, ``fp32``), ``--optimizer``
 (``adamw``, ``sgd``, ``sgd_momentum``), ``--3d`` (only the layouts ``strategy="3d"`` would choose
 from), ``--partial-recompute`` (also search Megatron-style block recomputation, which this project's
-strategy does not run: for comparing with engines that do), ``--top K`` rows, ``--json`` (the keys are
-listed in docs/planner.md, "The planner").
+strategy does not run: for comparing with engines that do), ``--context-parallel N`` (fix the
+context-parallel degree; 1: none), ``--context-parallel-always`` (rank layouts with ``cp > 1`` beside
+those without; by default they are searched only when nothing without context parallelism fits, as at
+long sequences), ``--top K`` rows, ``--json`` (the keys are listed in docs/planner.md, "The planner").
+Layouts that split sequences show ``cpN`` and their attention form (``allgather``/``ring``), and the
+table adds their key/value exchange time.
 """
 
 from __future__ import annotations
@@ -260,9 +264,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 _FLAGS = {
     "--world-size": int, "--nodes": int, "--devices-per-node": int, "--hardware": str, "--device-memory-gib": float,
-    "--global-batch": int, "--seq-len": int, "--dtype": str, "--optimizer": str, "--top": int,
+    "--global-batch": int, "--seq-len": int, "--dtype": str, "--optimizer": str, "--top": int, "--context-parallel": int,
 }
-_SWITCHES = ("--search", "--json", "--3d", "--partial-recompute")
+_SWITCHES = ("--search", "--json", "--3d", "--partial-recompute", "--context-parallel-always")
 
 
 def _split_flags(args: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
@@ -318,7 +322,9 @@ def search(cfg: DictConfig, flags: dict[str, Any]) -> str:
         model, world, global_batch=batch, seq_len=int(seq) if seq else None, hardware=profile, devices_per_node=per_node,
         device_memory=int(memory * GiB) if memory else None, dtype=flags.get("--dtype", "bf16"),
         optimizer=flags.get("--optimizer", "adamw"),
-        space=SearchSpace(require_model_parallel=bool(flags.get("--3d")), partial_recompute=bool(flags.get("--partial-recompute"))),
+        space=SearchSpace(require_model_parallel=bool(flags.get("--3d")), partial_recompute=bool(flags.get("--partial-recompute")),
+                          context_parallel_size=flags.get("--context-parallel"),
+                          context_parallel="always" if flags.get("--context-parallel-always") else "when_needed"),
     )
     top = flags.get("--top", 15)
     if flags.get("--json"):

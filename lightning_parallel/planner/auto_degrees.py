@@ -16,6 +16,12 @@ and the batch is a nominal one (two sequences per device of the model's maximum 
 data loader does not exist yet when the degrees are chosen), so every rank computes the same
 choice without talking to the others. A model that allows no model-parallel degree above 1 is
 an error listing every degree tried and why it failed, not a silent fallback to data parallelism.
+
+Context parallelism is the user's degree here (an int ``context_parallel_size``; ``3d`` does not
+choose it): the strategy asks for the degrees of the ``world / cp`` ranks left, and the planner prices
+them on the whole world with that ``cp`` fixed (each rank holds ``1/cp`` of every sequence, gradients
+over ``dp x cp``), so the choice sees the memory cp saves. The strategy's own check refuses cp with
+pipeline or expert parallelism (``strategies/auto_layout.py``, ``engine_check``).
 """
 
 from __future__ import annotations
@@ -41,9 +47,11 @@ class DegreeChoice:
     tried: tuple[str, ...]
     ep: int = 1
     plan: PlanResult | None = None
+    cp: int = 1  # fixed by the user, not chosen (module docstring)
 
     def explain(self) -> str:
-        head = f"3d degrees: dp={self.dp} x tp={self.tp} x pp={self.pp} (ep={self.ep})"
+        cp = f" x cp={self.cp}" if self.cp > 1 else ""
+        head = f"3d degrees: dp={self.dp}{cp} x tp={self.tp} x pp={self.pp} (ep={self.ep})"
         return head + ("\n" + self.plan.explain() if self.plan is not None else "; " + "; ".join(self.tried))
 
 
@@ -81,11 +89,15 @@ def choose_3d_degrees(
     global_batch: int | None = None,
     seq_len: int | None = None,
     check: LayoutCheck | None = None,
+    context_parallel_size: int = 1,
+    context_parallel_attention: str = "allgather",
 ) -> DegreeChoice:
     """Tensor, pipeline, expert and data degrees for ``module`` on ``world_size`` processes (module docstring).
 
     ``pipeline_schedule=None`` lets the planner pick among 1F1B, interleaved 1F1B and GPipe;
-    ``microbatches`` "auto" is the strategy's rule (one per stage, at least 2).
+    ``microbatches`` "auto" is the strategy's rule (one per stage, at least 2). With
+    ``context_parallel_size`` ``cp > 1``, ``world_size`` is the ranks per context-parallel rank
+    (``world / cp``) and the layouts are priced on ``world_size x cp`` devices.
     """
     if not any(True for _ in module.parameters()):
         raise config_error(
@@ -110,22 +122,26 @@ def choose_3d_degrees(
             return int(microbatches)
         return 2 * pp if schedule in ("zbv", "dualpipev") else max(2, pp)
 
+    cp = context_parallel_size
     space = SearchSpace(
         data_parallel_size=dp, expert_parallel_size=ep, zero_stages=(zero_stage,),
         activation_checkpointing=(activation_checkpointing,), cpu_offload=(cpu_offload,), hybrid_shard=(hybrid_shard,),
         sequence_parallel=(sequence_parallel,),
         schedules=schedules, virtual_stages=virtual_stages if virtual_stages > 1 else 2,
         microbatches=auto_microbatches, require_model_parallel=True,
+        context_parallel_size=cp, context_parallel_attention=(context_parallel_attention,),
     )
     seq = seq_len or facts.max_seq or 128
+    if cp > 1:  # a nominal length that the 2 x cp head-tail chunks cut evenly (the real batch is not known yet)
+        seq = max(2 * cp, seq // (2 * cp) * 2 * cp)
     batch = global_batch or 2 * world_size * (virtual_stages if virtual_stages > 1 else 1)
     result = plan_layouts(
-        facts, world_size, global_batch=batch, seq_len=seq, hardware=hardware, devices_per_node=processes_per_node,
+        facts, world_size * cp, global_batch=batch, seq_len=seq, hardware=hardware, devices_per_node=processes_per_node,
         device_memory=device_memory, dtype=dtype, space=space, check=check,
     )
     chosen = result.chosen.layout  # raises the listed reasons when nothing with model parallelism fits
     tried = tuple(f"{r.what}: {r.reason}" for r in result.rejected[:8])
-    return DegreeChoice(dp=chosen.dp, tp=chosen.tp, pp=chosen.pp, ep=chosen.ep, tried=tried, plan=result)
+    return DegreeChoice(dp=chosen.dp, tp=chosen.tp, pp=chosen.pp, ep=chosen.ep, tried=tried, plan=result, cp=chosen.cp)
 
 
 __all__ = ["DegreeChoice", "choose_3d_degrees"]

@@ -19,7 +19,11 @@ gathers less what overlaps with the backward, the optimizer step (memory-bound) 
 transfers. A collective over ``n`` ranks costs ``2 (n-1)/n x bytes / bandwidth + 2 log2(n) x latency``
 (ring all-reduce bandwidth; the latency of ``2 log2(n)`` steps,
 as tree and hierarchical algorithms take at scale); the link is NVLink-class inside a node and the NIC across nodes, decided from
-where the group's ranks sit in the mesh order ``pp, dp_replicate, dp_shard, tp``.
+where the group's ranks sit in the mesh order ``pp, dp_replicate, dp_shard, cp, tp``.
+
+Context parallelism (``cp``) prices every per-token quantity above at the rank's ``seq_len / cp``
+tokens, attention as local queries over all keys, the gradient reduction and ZeRO over ``dp x cp``,
+and adds the key/value exchange of each block (:mod:`~lightning_parallel.planner.context_cost`).
 
 Costs a profile may carry beyond bandwidth and latency, measured on CPU machines by
 :mod:`~lightning_parallel.planner.calibrate` (zero in the GPU profiles, whose published-run
@@ -37,6 +41,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
+from lightning_parallel.planner.collectives import collective_time as _ring
+from lightning_parallel.planner.context_cost import context_comm_time, context_memory
 from lightning_parallel.planner.hardware import GiB, HardwareProfile
 from lightning_parallel.planner.model import ModelFacts, RankShare
 
@@ -65,14 +71,23 @@ class Layout:
     # or none, so the planner searches this only when asked (SearchSpace.partial_recompute), to
     # model engines that offer it; a layout with k > 0 has no strategy_kwargs equivalent.
     recompute_layers: int = 0
+    # Context parallelism: ranks that split every sequence (they see the same samples, so ``dp`` stays
+    # the sampler's count); ``world = dp x cp x tp x pp``; gradients and ZeRO over ``dp x cp``.
+    cp: int = 1
+    cp_attention: str = "allgather"  # the strategy's context_parallel_attention: "allgather" or "ring"
 
     @property
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
 
     @property
+    def grad_ranks(self) -> int:
+        """Ranks holding different gradients of the same parameters: ``dp x cp`` (the ``dp_cp`` axis)."""
+        return self.dp * self.cp
+
+    @property
     def world(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
 
     @property
     def model_axes(self) -> int:
@@ -81,8 +96,11 @@ class Layout:
 
     def describe(self) -> str:
         dp = f"dp{self.dp}" if self.dp_replicate == 1 or self.dp_shard == 1 else f"dp{self.dp_replicate}x{self.dp_shard}"
-        parts = [dp, f"tp{self.tp}", f"pp{self.pp}"] + ([f"ep{self.ep}"] if self.ep > 1 else [])
+        parts = [dp] + ([f"cp{self.cp}"] if self.cp > 1 else []) + [f"tp{self.tp}", f"pp{self.pp}"]
+        parts += [f"ep{self.ep}"] if self.ep > 1 else []
         text = " x ".join(parts) + f" zero{self.zero_stage}"
+        if self.cp > 1:
+            text += f" {self.cp_attention}"
         if self.sequence_parallel:
             text += " sp"
         if self.activation_checkpointing:
@@ -105,6 +123,8 @@ class Layout:
         }
         if self.dp_replicate > 1 and self.dp_shard > 1:
             out.update(hybrid_shard=True, data_parallel_replicate_size=self.dp_replicate)
+        if self.cp > 1:
+            out.update(context_parallel_size=self.cp, context_parallel_attention=self.cp_attention)
         if self.pp > 1:
             out.update(pipeline_schedule=self.schedule, microbatches=self.microbatches, virtual_stages=self.virtual_stages)
         if self.recompute_layers and not self.activation_checkpointing:
@@ -170,17 +190,6 @@ class Prediction:
         }
 
 
-def _ring(nbytes: float, n: int, link: tuple[float, float], factor: float = 2.0, scale: float = 1.0) -> float:
-    """All-reduce (``factor=2``) or all-gather / reduce-scatter (``factor=1``) over ``n`` ranks;
-    ``scale``: the measured per-byte cost of this collective against the ring formula (gloo's
-    all-gather and reduce-scatter are slower per byte than its all-reduce; 1 on NCCL profiles)."""
-    if n <= 1 or nbytes <= 0:
-        return 0.0
-    bandwidth, latency = link
-    steps = math.ceil(math.log2(n))  # latency of tree/hierarchical algorithms (NCCL's choice at scale)
-    return factor * (n - 1) / n * nbytes / bandwidth * scale + factor * steps * latency
-
-
 def inflight(schedule: str, pp: int, m: int, virtual: int, rank: int) -> float:
     """Microbatches whose activations pipeline rank ``rank`` holds at its peak (units of its layers)."""
     if pp == 1:
@@ -201,7 +210,7 @@ def gradients_held_at_peak(layout: Layout, m: int, rank: int) -> bool:
     before it is back at its most microbatches in flight (1F1B-style schedules with more
     microbatches than that count). Measured: tests/test_planner_peak_memory.py.
     """
-    if layout.zero_stage <= 1 and layout.dp > 1:
+    if layout.zero_stage <= 1 and layout.grad_ranks > 1:
         return True
     if layout.pp == 1 or layout.schedule == "gpipe":
         return False
@@ -245,6 +254,15 @@ def layer_activation_elements(facts: ModelFacts, tokens: int, seq: int, tp: int,
     return replicated / (tp if sp else 1) + (sharded + score) / tp
 
 
+def busiest_ranks(shares: list[RankShare]) -> list[int]:
+    """The pipeline ranks worth evaluating: the first (most microbatches in flight), the last (logits),
+    the ones holding or computing most; exact for the maximum, and it keeps the search fast."""
+    n = len(shares)
+    picks = {0, n - 1, max(range(n), key=lambda i: shares[i].params),
+             max(range(n), key=lambda i: shares[i].matmul_params + shares[i].expert_params)}
+    return sorted(picks)
+
+
 def predict(facts: ModelFacts, layout: Layout, shares: list[RankShare], work: Workload, hw: HardwareProfile) -> Prediction:
     """Memory and time of ``layout`` (see the module docstring); ``shares`` from ``facts.shares(...)``."""
     L = layout
@@ -252,13 +270,17 @@ def predict(facts: ModelFacts, layout: Layout, shares: list[RankShare], work: Wo
     opt_bytes = OPTIMIZER_BYTES.get(work.optimizer, 8)
     per_dp_batch = work.global_batch // L.dp
     m = L.microbatches if L.pp > 1 else 1
-    mb_tokens = per_dp_batch // m * work.seq_len
+    local_seq = work.seq_len // L.cp  # a context-parallel rank's share of each sequence (planner/context_cost.py)
+    mb_tokens = per_dp_batch // m * local_seq
     dpn = hw.devices_per_node
     tp_link = hw.link(L.tp > dpn)
-    dp_link = hw.link(L.tp * L.dp > dpn)
-    shard_link = hw.link(L.tp * L.dp_shard > dpn)
+    cp_link = hw.link(L.tp * L.cp > dpn)
+    dp_link = hw.link(L.tp * L.cp * L.dp > dpn)
+    shard_link = hw.link(L.tp * L.cp * L.dp_shard > dpn)
     ep_link = hw.link(L.tp * L.ep > dpn)
-    pp_link = hw.link(L.tp * L.dp >= dpn)
+    pp_link = hw.link(L.tp * L.cp * L.dp >= dpn)
+    grad_ranks = L.grad_ranks  # gradients reduced, and ZeRO sharded, over dp x cp
+    shard_ranks = L.dp_shard * L.cp
     top_frac = facts.top_k / max(facts.expert_counts) if facts.is_moe else 0.0
     ag_scale = hw.collective_scale.get("all_gather", 1.0)
     rs_scale = hw.collective_scale.get("reduce_scatter", 1.0)
@@ -267,16 +289,16 @@ def predict(facts: ModelFacts, layout: Layout, shares: list[RankShare], work: Wo
     worst_time: dict[str, float] = {"compute": 0.0}
     worst_rank_compute = 0.0
     model_state_max = 0.0
-    # The busiest ranks: the first (most microbatches in flight), the last (logits), the ones
-    # holding or computing most; evaluating these is exact for the maximum and keeps the search fast.
-    picks = {0, len(shares) - 1, max(range(len(shares)), key=lambda i: shares[i].params),
-             max(range(len(shares)), key=lambda i: shares[i].matmul_params + shares[i].expert_params)}
-    for r in sorted(picks):
+    cache = facts.__dict__.setdefault("_busiest", {})  # the search predicts thousands of layouts per shares list
+    entry = cache.get(id(shares))
+    if entry is None or entry[0] is not shares:
+        entry = cache[id(shares)] = (shares, busiest_ranks(shares))
+    for r in entry[1]:
         share = shares[r]
         params = share.params - share.expert_params + share.expert_params / L.ep
-        shard = L.dp_shard if L.zero_stage >= 2 else 1
+        shard = shard_ranks if L.zero_stage >= 2 else 1
         grads = params * work.grad_bytes / shard
-        optim = params * opt_bytes / (L.dp if L.zero_stage >= 1 else 1)
+        optim = params * opt_bytes / (grad_ranks if L.zero_stage >= 1 else 1)
         stored_params = params * work.param_dtype_bytes / shard  # FSDP2 keeps the sharded fp32 weights (ZeRO-2 and 3)
         per_block = share.params / max(1, share.layers) if share.layers else share.params
         if L.zero_stage == 3:
@@ -290,7 +312,10 @@ def predict(facts: ModelFacts, layout: Layout, shares: list[RankShare], work: Wo
         grads_at_peak = grads if gradients_held_at_peak(L, m, r) else 0.0
         buffers = 0.0  # DDP's buckets are the gradients (gradient_as_bucket_view=True, parallel/data/apply.py)
         scores = hw.attention_scores_stored or (L.tp > 1 and hw.tp_attention_scores_stored)
+        scores = scores and not (L.cp > 1 and L.cp_attention == "ring")  # the ring's flash-style backward keeps none
+        context = context_memory(facts, L.cp, L.cp_attention, mb_tokens, L.tp, cb)
         layer_act = layer_activation_elements(facts, mb_tokens, work.seq_len, L.tp, scores, L.sequence_parallel, cb) * cb
+        layer_act += context.per_block
         held = inflight(L.schedule, L.pp, m, L.virtual_stages, r)
         ck = recomputed_layers(L, share.layers)
         block_input = mb_tokens * facts.hidden * cb / (L.tp if L.sequence_parallel else 1)
@@ -301,11 +326,12 @@ def predict(facts: ModelFacts, layout: Layout, shares: list[RankShare], work: Wo
         mem = {
             "params": stored_params, "grads": grads_at_peak, "optimizer": optim, "gathered_params": working,
             "comm_buffers": buffers, "activations": acts, "logits": logits, "reserved": float(hw.reserved_bytes),
+            "context_kv": context.transient,
         }
         start_of_backward = sum(mem.values())
         # The gradients freed before the forward come back during backward, as the activations go;
         # the end of backward (all gradients, no activations) is the peak only for a tiny batch.
-        end_of_backward = start_of_backward - grads_at_peak - acts - logits + grads
+        end_of_backward = start_of_backward - grads_at_peak - acts - logits - context.transient + grads
         mem["total"] = max(start_of_backward, end_of_backward)
         mem["model_state"] = stored_params + grads + optim
         model_state_max = max(model_state_max, mem["model_state"])
@@ -313,7 +339,7 @@ def predict(facts: ModelFacts, layout: Layout, shares: list[RankShare], work: Wo
             worst_mem = mem
 
         # ---- time of this pipeline rank for the whole step (all its microbatches)
-        tokens_rank = per_dp_batch * work.seq_len
+        tokens_rank = per_dp_batch * local_seq  # attention below: local queries over all seq_len keys
         flops = 6.0 * tokens_rank * share.matmul_params + 6.0 * tokens_rank * share.expert_params * top_frac
         flops += 12.0 * tokens_rank * work.seq_len * facts.hidden * share.layers / L.tp
         frac = ck / share.layers if share.layers else 0.0  # of this rank's blocks, the recomputed share
@@ -331,10 +357,13 @@ def predict(facts: ModelFacts, layout: Layout, shares: list[RankShare], work: Wo
         if share.last and L.tp > 1:
             tp_comm += m * _ring(mb_tokens * facts.vocab * cb, L.tp, tp_link, factor=1.0, scale=ag_scale)
         ep_comm = share.moe_layers * m * 4 * _ring(act_msg * facts.top_k, L.ep, ep_link, factor=0.5) if L.ep > 1 else 0.0
-        rank_time = compute + tp_comm + ep_comm
+        cp_comm = share.layers * m * context_comm_time(
+            facts, L.cp, L.cp_attention, mb_tokens, L.tp, cb, cp_link, hw.flops(work.dtype), frac, hw.comm_overlap,
+            ag_scale, rs_scale)
+        rank_time = compute + tp_comm + ep_comm + cp_comm
         if rank_time > worst_rank_compute:
             worst_rank_compute = rank_time
-            worst_time = {"compute": compute, "tp_comm": tp_comm, "ep_comm": ep_comm, "_params": params}
+            worst_time = {"compute": compute, "tp_comm": tp_comm, "ep_comm": ep_comm, "cp_comm": cp_comm, "_params": params}
     params = worst_time.pop("_params", 0.0)
     bubble = bubble_factor(L.schedule, L.pp, m, L.virtual_stages)
     pipelined = worst_rank_compute * bubble
@@ -349,21 +378,21 @@ def predict(facts: ModelFacts, layout: Layout, shares: list[RankShare], work: Wo
     units = layers + 1
     if L.zero_stage <= 1:
         buckets = max(1, int(-(-grad_msg // 25e6)))
-        dp_comm = _ring(grad_msg, L.dp, dp_link) + (buckets - 1) * 2 * math.ceil(math.log2(max(1, L.dp))) * dp_link[1]
-        if L.zero_stage == 1 and L.dp > 1:
-            dp_comm += _ring(params * work.param_dtype_bytes, L.dp, dp_link, factor=1.0, scale=ag_scale)  # updated shards re-gathered
-        if L.zero_stage == 1 and L.dp > 1 and L.pp == 1:
+        dp_comm = _ring(grad_msg, grad_ranks, dp_link) + (buckets - 1) * 2 * math.ceil(math.log2(max(1, grad_ranks))) * dp_link[1]
+        if L.zero_stage == 1 and grad_ranks > 1:
+            dp_comm += _ring(params * work.param_dtype_bytes, grad_ranks, dp_link, factor=1.0, scale=ag_scale)  # updated shards re-gathered
+        if L.zero_stage == 1 and grad_ranks > 1 and L.pp == 1:
             # ... one broadcast per parameter tensor (torch's ZeroRedundancyOptimizer without bucket views,
             # which the strategy uses without pipelines), issued asynchronously and waited on together:
             # each costs a pipelined latency
-            stream = hw.pipelined_latency if hw.pipelined_latency and L.tp * L.dp <= dpn else dp_link[1]
-            dp_comm += facts.param_tensors * math.ceil(math.log2(L.dp)) * stream
+            stream = hw.pipelined_latency if hw.pipelined_latency and L.tp * grad_ranks <= dpn else dp_link[1]
+            dp_comm += facts.param_tensors * math.ceil(math.log2(grad_ranks)) * stream
     else:
         gathers = 2 * m if L.zero_stage == 3 else 1
-        dp_comm = _ring(grad_msg, L.dp_shard, shard_link, factor=1.0, scale=rs_scale)
-        dp_comm += gathers * _ring(params * cb, L.dp_shard, shard_link, factor=1.0, scale=ag_scale)
-        dp_comm += _ring(grad_msg / L.dp_shard, L.dp_replicate, dp_link)
-        per_unit = (1 + gathers) * (math.ceil(math.log2(max(1, L.dp_shard))) * shard_link[1] + 10 * hw.kernel_overhead)
+        dp_comm = _ring(grad_msg, shard_ranks, shard_link, factor=1.0, scale=rs_scale)
+        dp_comm += gathers * _ring(params * cb, shard_ranks, shard_link, factor=1.0, scale=ag_scale)
+        dp_comm += _ring(grad_msg / shard_ranks, L.dp_replicate, dp_link)
+        per_unit = (1 + gathers) * (math.ceil(math.log2(max(1, shard_ranks))) * shard_link[1] + 10 * hw.kernel_overhead)
         dp_comm += (units - 1) * per_unit
     # Hooks, copy-in/copy-out and waits of each FSDP unit, per microbatch (measured by planner/calibrate.py):
     # work of the training thread itself, which nothing overlaps.
@@ -376,17 +405,18 @@ def predict(facts: ModelFacts, layout: Layout, shares: list[RankShare], work: Wo
     if L.zero_stage == 3:
         window = worst_time["compute"]
     window *= hw.comm_overlap  # on CPU ranks that use every core, collectives hide under nothing
-    exposed_dp = max(0.0, dp_comm - window) + (dp_link[1] * 2 if L.dp > 1 else 0.0)
-    opt_params = params / (L.dp if L.zero_stage >= 1 else 1)
+    exposed_dp = max(0.0, dp_comm - window) + (dp_link[1] * 2 if grad_ranks > 1 else 0.0)
+    opt_params = params / (grad_ranks if L.zero_stage >= 1 else 1)
     optimizer = opt_params * 28 / hw.memory_bandwidth
     offload = 0.0
     if L.cpu_offload:
-        shard_params = params / max(1, L.dp_shard)
+        shard_params = params / max(1, shard_ranks)
         offload = shard_params * (cb + work.grad_bytes) / hw.host_bandwidth + shard_params * 28 / 50e9
         offload += units * 2 * (hw.inter_latency + 10 * hw.kernel_overhead)  # copies in and out per unit
         optimizer = 0.0
     time = {
         "compute": worst_time["compute"], "tp_comm": worst_time["tp_comm"], "ep_comm": worst_time["ep_comm"],
+        "cp_comm": worst_time["cp_comm"],
         "pipeline_bubble": pipelined - worst_rank_compute, "pp_p2p": p2p, "dp_comm_exposed": exposed_dp,
         "dp_comm_total": dp_comm, "fsdp_overhead": fsdp_overhead, "optimizer": optimizer, "cpu_offload": offload,
     }
@@ -411,4 +441,5 @@ def facts_expert_active(facts: ModelFacts) -> float:
     return facts.__dict__["_expert"] * (facts.top_k / max(facts.expert_counts) if facts.is_moe else 0.0)
 
 
-__all__ = ["DTYPE_BYTES", "Layout", "Prediction", "Workload", "bubble_factor", "inflight", "predict", "recomputed_layers"]
+__all__ = ["DTYPE_BYTES", "Layout", "Prediction", "Workload", "bubble_factor", "busiest_ranks", "inflight", "predict",
+           "recomputed_layers"]

@@ -69,6 +69,7 @@ class ModelFacts:
     dropout: bool = False  # a block has dropout with p > 0 (its masks are stored for backward)
     user_tp_plan: dict[str, str] | None = None
     split_points: list[str] | None = None
+    expert_names: tuple[str, ...] | None = None  # found once (a walk of every module; seconds on a 126-block model)
     _tp: dict[int, object] = field(default_factory=dict, repr=False)
     _shares: dict[tuple[int, int, int, str], object] = field(default_factory=dict, repr=False)
 
@@ -125,7 +126,7 @@ class ModelFacts:
 
     def _per_module_uncached(self, sharded: set[str], sizes: dict[str, int], tp: int) -> dict[str, tuple[int, int, int, int]]:
         owners = _module_params(self.module)
-        experts = set(find_expert_modules(self.module))
+        experts = set(self.expert_names if self.expert_names is not None else find_expert_modules(self.module))
         out: dict[str, tuple[int, int, int, int]] = {}
         for name, mod in self.module.named_modules():
             own, elem = owners.get(name, (0, 4))
@@ -233,6 +234,7 @@ def model_facts(module: nn.Module, *, tp_plan: dict[str, str] | None = None, spl
         mlp_mats=max(2, mlp_mats) if blocks else 2, vocab=vocab_emb.num_embeddings if vocab_emb is not None else 0,
         max_seq=_int_attr([module, *configs], _SEQ_ATTRS), expert_counts=counts, top_k=top_k, dropout=dropout,
         user_tp_plan=dict(tp_plan) if tp_plan else None, split_points=list(split_points) if split_points else None,
+        expert_names=tuple(experts),
     )
 
 

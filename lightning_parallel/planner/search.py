@@ -1,7 +1,8 @@
 """The layout planner: enumerate every layout a model allows on a cluster, predict, keep what fits, rank.
 
-A layout is ``dp_replicate x dp_shard x tp x pp (x ep)`` with a ZeRO stage, activation
-checkpointing, CPU offload, and for pipelines a schedule and a number of microbatches. For each
+A layout is ``dp_replicate x dp_shard x cp x tp x pp (x ep)`` with a ZeRO stage, activation
+checkpointing, CPU offload, for pipelines a schedule and a number of microbatches, and for context
+parallelism (``cp``) the attention form. For each
 the planner asks the same planners the strategy applies (the tensor-parallel plan must split
 every planned module, the stage split must find enough blocks, the experts must divide by
 ``ep``; :mod:`~lightning_parallel.planner.model`), predicts per-rank memory and step
@@ -13,11 +14,20 @@ by 3.1 GiB", "attention heads=4 ... not divisible by the tensor-parallel size 8"
 Pure computation on a (meta-device) model: no process group, no allocation, no collective.
 ``require_model_parallel`` is what ``strategy="3d"`` asks: among the layouts that fit, only those
 with the most model-parallel axes (tensor, pipeline, expert) above 1, fastest first.
+
+Context parallelism is searched when it is needed (``SearchSpace.context_parallel="when_needed"``):
+only if no layout without it is left to choose from (at long sequences every rank holding whole
+sequences runs out of memory) are layouts with ``cp > 1`` enumerated, with both attention forms. So
+the choices at ordinary lengths stay what they were, and at long lengths the cost model, not a
+threshold, decides the degree. ``"always"`` enumerates them beside ``cp = 1`` (to compare), an int
+``context_parallel_size`` fixes the degree. Degrees are tried in increasing order until two in a row
+are predicted slower than the best (``STOP_AFTER``).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -26,6 +36,7 @@ from torch import nn
 from lightning_parallel.parallel.errors import config_error
 from lightning_parallel.planner.hardware import GiB, HardwareProfile, get_profile
 from lightning_parallel.parallel.pipeline.schedules import check_microbatches, schedule_spec
+from lightning_parallel.planner.context_cost import FORMS
 from lightning_parallel.planner.cost import Layout, Prediction, Workload, predict
 from lightning_parallel.planner.model import ModelFacts, model_facts
 
@@ -54,6 +65,11 @@ class SearchSpace:
     # blocks per pipeline rank that make it fit (Megatron-LM's block recomputation). Off by
     # default: this project's strategy checkpoints every block or none.
     partial_recompute: bool = False
+    # Context parallelism: an int fixes the degree; None searches it as ``context_parallel`` says:
+    # "when_needed" (only if nothing without it can be chosen: see the module docstring) or "always".
+    context_parallel_size: int | None = None
+    context_parallel: str = "when_needed"
+    context_parallel_attention: tuple[str, ...] = FORMS
 
 
 @dataclass(frozen=True)
@@ -151,15 +167,19 @@ class PlanResult:
 
     def table(self, limit: int = 15) -> str:
         """Ranked layouts, fastest first, with the parts of their predictions."""
-        header = f"{'#':>3}  {'layout':<44} {'GiB/rank':>9} {'step':>10} {'tok/s/dev':>10} {'TFLOP/s':>8}  compute / tp / bubble / dp"
+        shown = self.ranked[:limit]
+        cp = any(p.layout.cp > 1 for p in shown)  # a cp column only where a listed layout splits sequences
+        parts = "compute / tp / cp / bubble / dp" if cp else "compute / tp / bubble / dp"
+        header = f"{'#':>3}  {'layout':<44} {'GiB/rank':>9} {'step':>10} {'tok/s/dev':>10} {'TFLOP/s':>8}  {parts}"
         rows = [header]
-        for i, p in enumerate(self.ranked[:limit], 1):
+        for i, p in enumerate(shown, 1):
             t = p.time
             mark = "*" if p is self.chosen else " "
+            cp_part = f" / {_seconds(t['cp_comm'])}" if cp else ""
             rows.append(
                 f"{i:>3}{mark} {p.layout.describe():<44} {p.peak_bytes / GiB:>9.2f} {_seconds(p.step_time):>10} "
                 f"{p.tokens_per_second_per_device:>10,.0f} {p.tflops_per_device:>8.1f}  "
-                f"{_seconds(t['compute'])} / {_seconds(t['tp_comm'])} / {_seconds(t['pipeline_bubble'])} / {_seconds(t['dp_comm_exposed'])}"
+                f"{_seconds(t['compute'])} / {_seconds(t['tp_comm'])}{cp_part} / {_seconds(t['pipeline_bubble'])} / {_seconds(t['dp_comm_exposed'])}"
             )
         rows.append(f"{len(self.ranked)} of {self.evaluated} layouts fit; {len(self.rejected)} rejected")
         return "\n".join(rows)
@@ -233,14 +253,93 @@ def plan_layouts(
         raise config_error(ValueError, "seq_len", seq_len, f"{facts.name} declares no maximum sequence length", "pass seq_len=...")
     work = Workload(global_batch=global_batch, seq_len=seq, dtype=dtype, optimizer=optimizer)
     result = PlanResult(facts.name, world_size, hw, memory, work, [], [], space.require_model_parallel)
-    _search(facts, world_size, hw, memory, work, space, check, result)
+    _check_context_space(space)
+    if space.context_parallel_size is not None:
+        _search(facts, world_size, hw, memory, work, space, check, result, _context_degrees([space.context_parallel_size], seq, result))
+    else:
+        more = _context_degrees([d for d in _divisors(world_size) if d > 1], seq, result)
+        _search(facts, world_size, hw, memory, work, space, check, result, [1])
+        needed = not result.candidates
+        if more and (needed or space.context_parallel == "always"):
+            searched, best = _search_context_degrees(facts, world_size, hw, memory, work, space, check, result, more)
+            why = f"no layout without context parallelism fits sequences of {seq:,} tokens: " if needed else ""
+            stop = (f"; stopped after cp{' and cp'.join(map(str, searched[-STOP_AFTER:]))} were predicted slower than cp{best}"
+                    if len(searched) < len(more) else "")
+            result.notes.append(f"{why}searched cp in {searched} (each rank holds 1/cp of every sequence){stop}")
+            _drop_repeated(result)
     result.ranked.sort(key=lambda p: (p.step_time, p.peak_bytes))
     result.rejected.sort(key=lambda r: (r.prediction is None, r.prediction.step_time if r.prediction else 0.0))
     return result
 
 
+def _check_context_space(space: SearchSpace) -> None:
+    cp = space.context_parallel_size
+    if cp is not None and (isinstance(cp, bool) or not isinstance(cp, int) or cp < 1):
+        raise config_error(ValueError, "context_parallel_size", cp, "it must be a positive int, or None to search it",
+                           "pass e.g. SearchSpace(context_parallel_size=2)")
+    if space.context_parallel not in ("when_needed", "always"):
+        raise config_error(ValueError, "context_parallel", space.context_parallel, "it is 'when_needed' or 'always'",
+                           "pass context_parallel='always' to rank layouts with and without it together")
+    unknown = [f for f in space.context_parallel_attention if f not in FORMS]
+    if unknown or not space.context_parallel_attention:
+        raise config_error(ValueError, "context_parallel_attention", space.context_parallel_attention,
+                           f"the forms are {list(FORMS)}", "pass e.g. context_parallel_attention=('allgather',)")
+
+
+# Context-parallel degrees are searched in increasing order until this many in a row are predicted slower than
+# the best so far: below the best degree memory forces recomputation or smaller pipelines, above it the key/value
+# exchange grows and each rank's share of a sequence shrinks, so the fastest time per degree falls, then rises
+# (Llama 3 405B at 131,072 tokens on 16,384 H100: 24.0, 15.7, 12.3, 13.1, 14.6, 16.3, ... s for cp 4, 8, 16, 32,
+# 64, 128, ...; cp 2 does not fit). Without the stop, degrees up to the world size (8 tokens per rank) cost 3x
+# the search time for layouts nobody would run.
+STOP_AFTER = 2
+
+
+def _search_context_degrees(facts: ModelFacts, world: int, hw: HardwareProfile, memory: int, work: Workload,
+                            space: SearchSpace, check: LayoutCheck | None, result: PlanResult,
+                            degrees: list[int]) -> tuple[list[int], int]:
+    """Search ``degrees`` (cp > 1, increasing) one at a time; returns those searched and the fastest one."""
+    best, best_cp, slower, searched = math.inf, degrees[0], 0, []
+    for cp in degrees:
+        before = len(result.ranked)
+        _search(facts, world, hw, memory, work, space, check, result, [cp])
+        searched.append(cp)
+        fastest = min((p.step_time for p in result.ranked[before:]), default=math.inf)
+        if fastest < best:
+            best, best_cp, slower = fastest, cp, 0
+        elif best < math.inf:  # a degree with nothing that fits, after one that fits, counts as slower
+            slower += 1
+            if slower >= STOP_AFTER:
+                break
+    return searched, best_cp
+
+
+def _context_degrees(candidates: list[int], seq: int, result: PlanResult) -> list[int]:
+    """The cp degrees that cut ``seq`` into ``2 cp`` equal chunks (head-tail balancing); the rest rejected."""
+    out = []
+    for cp in candidates:
+        if cp > 1 and seq % (2 * cp):
+            result.rejected.append(Rejection(f"cp={cp}", f"sequences of {seq} tokens do not split into 2 x cp = {2 * cp} equal chunks"))
+        else:
+            out.append(cp)
+    return out
+
+
+def _drop_repeated(result: PlanResult) -> None:
+    """Structural refusals of tp or pp degrees are found again by the second (cp) pass: keep each once."""
+    seen: set[tuple[str, str]] = set()
+    kept = []
+    for r in result.rejected:
+        key = (r.what, r.reason)
+        if r.prediction is None and key in seen:
+            continue
+        seen.add(key)
+        kept.append(r)
+    result.rejected[:] = kept
+
+
 def _search(facts: ModelFacts, world: int, hw: HardwareProfile, memory: int, work: Workload, space: SearchSpace,
-            check: LayoutCheck | None, result: PlanResult) -> None:
+            check: LayoutCheck | None, result: PlanResult, cps: Sequence[int] = (1,)) -> None:
     usable = memory - hw.reserved_bytes
     for tp in _fixed(space.tensor_parallel_size, _divisors(world)):
         if world % tp:
@@ -258,17 +357,23 @@ def _search(facts: ModelFacts, world: int, hw: HardwareProfile, memory: int, wor
             if (world // tp) % pp:
                 result.rejected.append(Rejection(f"tp={tp} x pp={pp}", f"it does not divide the world size {world}"))
                 continue
-            dp = world // (tp * pp)
-            if space.data_parallel_size is not None and dp != space.data_parallel_size:
-                continue
-            if work.global_batch % dp:
-                result.rejected.append(Rejection(f"dp={dp} (tp={tp} x pp={pp})", f"global batch {work.global_batch} is not divisible by dp {dp}"))
-                continue
-            _pipeline_options(facts, tp, pp, dp, hw, usable, work, space, check, result)
+            for cp in cps:
+                if (world // (tp * pp)) % cp:
+                    if len(cps) == 1 and cp > 1:
+                        result.rejected.append(Rejection(f"cp={cp} (tp={tp} x pp={pp})", f"it does not divide the world size {world}"))
+                    continue
+                dp = world // (tp * pp * cp)
+                if space.data_parallel_size is not None and dp != space.data_parallel_size:
+                    continue
+                if work.global_batch % dp:
+                    degrees = f"cp={cp} x tp={tp} x pp={pp}" if cp > 1 else f"tp={tp} x pp={pp}"
+                    result.rejected.append(Rejection(f"dp={dp} ({degrees})", f"global batch {work.global_batch} is not divisible by dp {dp}"))
+                    continue
+                _pipeline_options(facts, tp, pp, dp, hw, usable, work, space, check, result, cp)
 
 
 def _pipeline_options(facts: ModelFacts, tp: int, pp: int, dp: int, hw: HardwareProfile, usable: int, work: Workload,
-                      space: SearchSpace, check: LayoutCheck | None, result: PlanResult) -> None:
+                      space: SearchSpace, check: LayoutCheck | None, result: PlanResult, cp: int = 1) -> None:
     per_dp = work.global_batch // dp
     schedules = ["none"] if pp == 1 else list(space.schedules)
     options = space.virtual_stages if isinstance(space.virtual_stages, tuple) else (space.virtual_stages,)
@@ -294,14 +399,22 @@ def _pipeline_options(facts: ModelFacts, tp: int, pp: int, dp: int, hw: Hardware
                     check_microbatches(spec, pp, virtual, m)  # type: ignore[arg-type]
                 except (ValueError, TypeError):
                     continue
-            for ep in _expert_degrees(facts, dp, space, result):
-                _options(facts, Layout(1, dp, tp, pp, ep, 0, False, m, name, virtual), shares, hw, usable, work, space, check, result)
+            for ep in _expert_degrees(facts, dp, space, result, cp):
+                for form in space.context_parallel_attention if cp > 1 else FORMS[:1]:
+                    base = Layout(1, dp, tp, pp, ep, 0, False, m, name, virtual, cp=cp, cp_attention=form)
+                    _options(facts, base, shares, hw, usable, work, space, check, result)
 
 
-def _expert_degrees(facts: ModelFacts, dp: int, space: SearchSpace, result: PlanResult) -> list[int]:
+def _expert_degrees(facts: ModelFacts, dp: int, space: SearchSpace, result: PlanResult, cp: int = 1) -> list[int]:
     if not facts.is_moe:
         if space.expert_parallel_size not in (None, 1):
             result.rejected.append(Rejection(f"ep={space.expert_parallel_size}", f"{facts.name} has no MoE layers"))
+            return []
+        return [1]
+    if cp > 1:  # experts come from the data-parallel ranks; under cp the strategy keeps them whole, and so does the model
+        if space.expert_parallel_size not in (None, 1):
+            result.rejected.append(Rejection(f"ep={space.expert_parallel_size} x cp={cp}",
+                                             "expert parallelism with context parallelism is not modelled (the strategy refuses it)"))
             return []
         return [1]
     out = []
@@ -321,12 +434,12 @@ def _options(facts: ModelFacts, base: Layout, shares: list, hw: HardwareProfile,
 
     dp, dpn = base.dp, hw.devices_per_node
     for zero in space.zero_stages:
-        if zero > 0 and dp == 1 and len(space.zero_stages) > 1:
-            continue  # nothing to shard over: the same layout as zero 0
+        if zero > 0 and base.grad_ranks == 1 and len(space.zero_stages) > 1:
+            continue  # nothing to shard over (ZeRO shards over dp x cp): the same layout as zero 0
         replicates = [1]
         if zero >= 2 and True in space.hybrid_shard and dp > 1:
-            in_node = max(1, dpn // base.tp)
-            if base.tp * dp > dpn and dp % in_node == 0 and in_node > 1:
+            in_node = max(1, dpn // (base.tp * base.cp))  # data-parallel ranks inside a node
+            if base.tp * base.cp * dp > dpn and dp % in_node == 0 and in_node > 1:
                 replicates.append(dp // in_node)
         if False not in space.hybrid_shard:
             replicates = [r for r in replicates if r > 1] or replicates

@@ -64,8 +64,8 @@ def engine_check(strategy: Any, module: nn.Module) -> Any:
                 sequence_parallel=strategy.sequence_parallel, tp_plan=strategy.tp_plan, loss_parallel=strategy.loss_parallel,
             )
             check_compile_layout(getattr(strategy, "_compile_kwargs", None), layout.pp, layout.tp)  # compiled blocks
-            cp = strategy._degrees.get("context_parallel_size", 1)
-            if isinstance(cp, int) and cp > 1:  # planned on world / cp ranks; cp refuses pp and ep for now
+            cp = layout.cp if layout.cp > 1 else strategy._degrees.get("context_parallel_size", 1)
+            if isinstance(cp, int) and cp > 1:  # the planner prices cp; the strategy refuses it with pp and ep for now
                 check_context_layout(ParallelDims(world_size=layout.dp * layout.tp * layout.pp * cp, dp_replicate=layout.dp,
                                                   tp=layout.tp, pp=layout.pp, ep=layout.ep, cp=cp), bool(strategy.compile_blocks))
             if layout.tp > 1:  # a tp degree whose plan splits too little would be refused (split_share.py)
@@ -111,7 +111,10 @@ def planner_inputs(strategy: Any, module: nn.Module) -> dict[str, Any]:
     devices = strategy.parallel_devices or []
     device = devices[0] if devices else torch.device("cpu")
     profile = profile_for_device(device) if device.type == "cuda" else get_profile("cpu")
+    cp = strategy._degrees.get("context_parallel_size", 1)
     return {
+        "context_parallel_size": cp if isinstance(cp, int) else 1,  # "auto" cp beside "auto" tp/pp is refused by ParallelDims
+        "context_parallel_attention": getattr(strategy, "context_parallel_attention", "allgather"),
         "expert_parallel_size": strategy._degrees["expert_parallel_size"],
         "pipeline_schedule": strategy.pipeline_schedule,
         "microbatches": strategy.microbatches,

@@ -71,9 +71,8 @@ def allgather_attention(q: Tensor, k: Tensor, v: Tensor, layout: ChunkLayout, gr
     keys, values = kv.unbind(0)
     k_pos = layout.all_positions(q.device).flatten()
     mask = visibility(layout.positions(device=q.device), k_pos, key_valid, causal, window)
-    heads = q.size(1)
-    return F.scaled_dot_product_attention(q, _repeat_heads(keys, heads), _repeat_heads(values, heads),
-                                          attn_mask=mask, scale=scale)
+    # grouped-query heads read the gathered key/value heads in place (no repeated copies kept for backward)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=keys.size(1) != q.size(1))
 
 
 def _acc(t: Tensor) -> Tensor:
@@ -200,6 +199,7 @@ class _RingAttention(torch.autograd.Function):
         kv = torch.stack([k, v]).contiguous()
         dkv = _acc(torch.zeros_like(kv))  # travels with its block, back home at the end
         for step in range(layout.cp):
+            pending = ring.start(kv) if step < layout.cp - 1 else None
             mask = visibility(q_pos, k_pos[(layout.rank - step) % layout.cp], key_valid, ctx.causal, ctx.window)
             if mask is None or bool(mask.any()):
                 block_dq, block_dk, block_dv = _block_backward(
@@ -207,8 +207,8 @@ class _RingAttention(torch.autograd.Function):
                 dq += block_dq
                 dkv[0] += _fold_heads(block_dk, kv.size(2))
                 dkv[1] += _fold_heads(block_dv, kv.size(2))
-            if step < layout.cp - 1:
-                kv = _Ring.finish(*ring.start(kv))
+            if pending is not None:  # the next key/value block arrived while this one's gradients were computed
+                kv = _Ring.finish(*pending)
                 dkv = _Ring.finish(*ring.start(dkv))
         if layout.cp > 1:
             dkv = _Ring.finish(*ring.start(dkv))  # the last hop: every block's gradient reaches its owner

@@ -1,0 +1,415 @@
+"""Tensor-parallel collectives per training step, counted with ``CommDebugMode``, against the Megatron minimum.
+
+Why: a tensor-parallel layout that computes the right numbers can still send far more than it
+needs (issue 26, item 4): a region whose q, k and v projections each all-reduce their input
+gradient in backward sends three all-reduces where one suffices. Parity tests cannot see that;
+only counting can. This benchmark trains each model of the coverage matrix that ``tp`` runs
+(``lightning_parallel.coverage.MODELS``: the Hugging Face families and ViT), the package's GPT
+(separate q/k/v) and a nanoGPT-style GPT with a fused ``c_attn`` (defined here), unchanged,
+through a Lightning ``Trainer`` with ``HybridParallelStrategy`` (``run_fit``, the path the parity
+tests take), and counts the collectives of one step (the second: the first traces pipeline
+stages) with torch's ``torch.distributed.tensor.debug.CommDebugMode``:
+
+* **DTensor collectives** (functional collectives: what tensor parallelism issues), by kind and
+  phase: forward (outside autograd) and backward (inside an autograd graph task);
+* **plain ``torch.distributed`` calls** (c10d ops: logging with ``sync_dist``, the pipeline's
+  point-to-point sends and receives, loss and log exchange), by kind, reported beside;
+* **bytes**: per collective the larger of its input and output (the full tensor an all-reduce
+  reduces, the gathered tensor of an all-gather, the unreduced input of a reduce-scatter).
+
+Layouts: ``tp2`` (2 processes, eager tensor parallelism) and ``tp2 x pp2`` (4 processes;
+tensor parallelism inside the traced pipeline stages), counts per stage and per forward, i.e.
+the step's counts divided by the microbatches. Collectives after ``on_before_optimizer_step``
+(clipping, the optimizer) are not part of forward + backward and are left out.
+
+The minimum, per forward (Megatron, no sequence parallelism), ``R`` the tensor-parallel regions
+this rank's stage computes (per block: the attention, and the feed-forward, a dense MLP or an MoE
+layer with any shared expert, when the layout splits it), ``E`` = 1 if the stage runs a
+vocabulary-parallel token embedding, ``H`` = 1 if it runs a column-parallel LM head whose output
+is gathered:
+
+    forward:  R + E all-reduces (each region's output, the embedding's output) + H all-gathers (the logits)
+    backward: R + H all-reduces (each region's input gradient: q, k and v, or gate and up, sum
+              theirs before one reduction; the LM head's input gradient)
+    bytes:    4 * N * C per all-reduce + 4 * N * V per all-gather (fp32; N tokens per forward,
+              width C, vocabulary V)
+
+So a 4-block Llama under tp2 needs 8 + 1 all-reduces and 1 all-gather forward, 8 + 1
+all-reduces backward: 18 all-reduces + 1 all-gather per step. The printed ratio is measured /
+minimum (counts of DTensor collectives, and bytes).
+
+Run: ``python benchmarks/bench_tp_comms.py`` (every model, both layouts; ``--models llama,gpt2``,
+``--layouts tp2``; ``--where MODEL`` also prints the per-module counts of one model under tp2,
+from ``CommDebugMode``'s module tracker).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import sys
+import time
+import traceback
+from collections import defaultdict
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import CommDebugMode
+
+from lightning_parallel.coverage import MODELS as COVERAGE_MODELS
+from lightning_parallel.models.gpt import GPT, Block, CausalSelfAttention
+from lightning_parallel.parallel.blocks import find_repeated_blocks
+from lightning_parallel.parallel.tensor.styles import COLWISE_GATHER, EMBEDDING_ROWWISE
+from lightning_parallel.testing import run_distributed
+from lightning_parallel.testing.parity import FitSpec, run_fit
+
+HYBRID = "lightning_parallel:HybridParallelStrategy"
+LAYOUTS: dict[str, tuple[dict[str, Any], int]] = {  # name -> (strategy kwargs, processes)
+    "tp2": ({"tensor_parallel_size": 2}, 2),
+    "tp2 x pp2": ({"tensor_parallel_size": 2, "pipeline_parallel_size": 2}, 4),
+}
+MEASURED_STEP = 1  # the second step: the first traces the pipeline stages
+_KINDS = {"all_reduce": "AR", "allreduce_": "AR", "allreduce_coalesced_": "AR", "all_reduce_coalesced": "AR",
+          "all_gather_into_tensor": "AG", "all_gather_into_tensor_coalesced": "AG", "_allgather_base_": "AG",
+          "allgather_": "AG", "allgather_coalesced_": "AG", "allgather_into_tensor_coalesced_": "AG",
+          "reduce_scatter_tensor": "RS", "reduce_scatter_tensor_coalesced": "RS", "_reduce_scatter_base_": "RS",
+          "reduce_scatter_": "RS", "reduce_scatter_tensor_coalesced_": "RS", "all_to_all_single": "A2A",
+          "alltoall_": "A2A", "alltoall_base_": "A2A", "shard_dim_alltoall": "A2A", "broadcast": "BC",
+          "broadcast_": "BC", "send": "send", "recv_": "recv", "recv_any_source_": "recv"}
+_P2P = (torch.ops.c10d.send, torch.ops.c10d.recv_, torch.ops.c10d.recv_any_source_)
+_FUNCTIONAL_NAMESPACES = ("_c10d_functional", "c10d_functional", "_c10d_functional_autograd", "_dtensor")
+_RESULTS: list[dict[str, Any]] = []  # what CommCounter measured in this process (read by _worker)
+
+
+# ---------------------------------------------------------------- a nanoGPT-style GPT (fused c_attn)
+class FusedCausalSelfAttention(CausalSelfAttention):
+    """nanoGPT's attention: one ``c_attn`` Linear computing ``[q | k | v]``, split in the forward."""
+
+    def __init__(self, n_embd: int, n_head: int, dropout: float = 0.0, bias: bool = True) -> None:
+        super().__init__(n_embd, n_head, dropout, bias)
+        del self.q, self.k, self.v
+        self.c_attn = nn.Linear(n_embd, 3 * n_embd, bias=bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.resid_drop(self.proj(y.transpose(1, 2).contiguous().view(B, T, C)))
+
+
+class FusedGPT(GPT):
+    """The package's GPT with nanoGPT's fused ``c_attn`` in every block (same names otherwise)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        for block in self.blocks:
+            assert isinstance(block, Block)
+            block.attn = FusedCausalSelfAttention(self.n_embd, self.n_head, self.dropout, self.bias)
+        self.apply(self._init_weights)
+
+
+def _gpt_spec(model: str) -> FitSpec:
+    return FitSpec(model=model, model_kwargs={"vocab_size": 64, "block_size": 16, "n_layer": 4, "n_head": 4, "n_embd": 32},
+                   data="lightning_parallel.testing.parity:token_data", global_batch=8)
+
+
+def model_specs() -> dict[str, FitSpec]:
+    """Every coverage model ``tp`` runs (ResNet has nothing to split), the GPT and the fused GPT."""
+    specs = {name: spec for name, spec in COVERAGE_MODELS.items() if name != "resnet"}
+    specs["gpt (package, q/k/v)"] = _gpt_spec("lightning_parallel.models:GPT")
+    specs["gpt fused c_attn"] = _gpt_spec(f"{__name__}:FusedGPT")
+    return specs
+
+
+# ---------------------------------------------------------------- counting
+def _payload(value: Any) -> int:
+    flat, _ = torch.utils._pytree.tree_flatten(value)
+    return sum(t.numel() * t.element_size() for t in flat if isinstance(t, Tensor))
+
+
+class BytesCommDebugMode(CommDebugMode):
+    """``CommDebugMode`` that also records, per collective, its bytes, its phase and whether it is a
+    DTensor (functional) collective or a plain ``torch.distributed`` (c10d) one, plus the
+    point-to-point sends and receives ``CommDebugMode`` does not count.
+
+    ``track_modules=False`` leaves out ``CommDebugMode``'s module tracker (global module hooks
+    that also wrap every module's inputs and outputs for backward hooks): the counts are then
+    those of the code as it runs without the benchmark."""
+
+    def __init__(self, track_modules: bool = False) -> None:
+        super().__init__()
+        self.track_modules = track_modules
+        self.phase = "step"  # "step": forward and backward; "after": from on_before_optimizer_step on
+        self.records: list[tuple[str, str, str, int]] = []  # (phase, source, kind, bytes)
+        self.sites: dict[str, int] = defaultdict(int)  # plain torch.distributed calls by kind and caller
+
+    def __enter__(self) -> BytesCommDebugMode:
+        if self.track_modules:
+            return super().__enter__()
+        self.comm_counts.clear()
+        self.advanced_module_tracker.name = "Global"
+        self.advanced_module_tracker.module_parents_dict = {"Global": set()}
+        torch.utils._python_dispatch.TorchDispatchMode.__enter__(self)
+        return self
+
+    def __exit__(self, *args: Any) -> None:
+        if self.track_modules:
+            return super().__exit__(*args)
+        torch.utils._python_dispatch.TorchDispatchMode.__exit__(self, *args)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        packet = getattr(func, "_overloadpacket", None)
+        before = self.comm_counts.get(NATIVE_TO_PY.get(packet, packet), 0) if packet is not None else 0
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if out is NotImplemented or packet is None:
+            return out
+        counted = self.comm_counts.get(NATIVE_TO_PY.get(packet, packet), 0) != before
+        if counted or packet in _P2P:
+            namespace = packet._qualified_op_name.split("::")[0]
+            source = "dtensor" if namespace in _FUNCTIONAL_NAMESPACES else "c10d"
+            phase = self.phase
+            if phase == "step":  # plain calls (pipeline sends, log exchange) run between autograd passes: one phase
+                phase = "step" if source == "c10d" else "bwd" if torch._C._current_graph_task_id() != -1 else "fwd"
+            kind = _KINDS.get(packet.__name__, packet.__name__)
+            self.records.append((phase, source, kind, max(_payload(args), _payload(out))))
+            if source == "c10d":
+                self.sites[f"{kind} at {_call_site()}"] += 1
+        return out
+
+
+def _call_site() -> str:
+    """The innermost caller in lightning_parallel or Lightning (what issued a plain torch.distributed call)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if ("lightning_parallel" in name or "lightning" + os.sep in name) and not name.endswith("bench_tp_comms.py"):
+            short = name.split("site-packages" + os.sep)[-1].split("lightning_parallel" + os.sep)[-1]
+            return f"{short}:{frame.f_code.co_name}"
+        frame = frame.f_back
+    return "?"
+
+
+NATIVE_TO_PY: dict[Any, Any] = dict(torch.distributed.tensor.debug._comm_mode.NATIVE_TO_PY_MAPPING)
+
+
+class CommCounter(pl.Callback):
+    """Counts one training step's collectives (``MEASURED_STEP``) and the minimum for this rank's stage."""
+
+    def __init__(self, model: str, layout: str, track_modules: bool = False) -> None:
+        self.model, self.layout, self.track_modules = model, layout, track_modules
+        self.mode: BytesCommDebugMode | None = None
+        self.minimum: dict[str, Any] = {}
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if batch_idx != MEASURED_STEP:
+            return
+        self.minimum = stage_minimum(trainer, pl_module, batch)
+        self.mode = BytesCommDebugMode(self.track_modules)
+        self.mode.__enter__()
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        if self.mode is not None:
+            self.mode.phase = "after"
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.mode is None:
+            return
+        self.mode.__exit__(None, None, None)
+        counts: dict[str, int] = defaultdict(int)
+        for phase, source, kind, nbytes in self.mode.records:
+            counts[f"{phase}/{source}/{kind}"] += 1
+            counts[f"{phase}/{source}/bytes"] += nbytes
+        modules = {}
+        if self.track_modules:
+            modules = {name: {key: {str(op).split(".")[-1]: n for op, n in ops.items()} for key, ops in entry.items()}
+                       for name, entry in self.mode.comm_module_counts.items()}
+        _RESULTS.append({"model": self.model, "layout": self.layout, "counts": dict(counts), "minimum": self.minimum,
+                         "rank": trainer.global_rank, "modules": modules, "sites": dict(self.mode.sites)})
+        self.mode = None
+
+
+def _under(name: str, prefix: str) -> bool:
+    return name.startswith(prefix + ".")
+
+
+def stage_minimum(trainer: Any, pl_module: nn.Module, batch: Any) -> dict[str, Any]:
+    """The Megatron minimum (module docstring) for what this rank's stage computes, per forward."""
+    strategy = trainer.strategy
+    plan = strategy.tensor_parallel_plan
+    driver = getattr(strategy, "_pipeline", None)
+    dims = strategy.parallel_dims
+    microbatches, first, last = 1, True, True
+    owned: set[str] | None = None
+    if driver is not None:
+        microbatches = int(driver.config.microbatches)
+        pp_rank, pp = dims.axis("pp").get_local_rank(), dims.pp
+        first, last = pp_rank == 0, pp_rank == pp - 1
+        owned = driver.runtime.owned_parameter_names()
+    split = {id(p) for n, p in pl_module.named_parameters() if isinstance(p, DTensor) and (owned is None or n in owned)}
+    modules = dict(pl_module.named_modules())
+
+    def is_split(module: nn.Module) -> bool:
+        return any(id(p) in split for p in module.parameters())
+
+    blocks = find_repeated_blocks(pl_module)
+    # per block: each child (attention, feed-forward) holding a split parameter
+    regions = sum(1 for _, block in blocks for child in block.children() if is_split(child))
+    embeddings = sum(1 for name, style in plan.styles.items() if style == EMBEDDING_ROWWISE and first and is_split(modules[name]))
+    heads = sum(1 for name in plan.lm_heads if plan.styles.get(name) == COLWISE_GATHER and last
+                and not any(_under(name, b) for b, _ in blocks) and is_split(modules[name]))
+    config = getattr(getattr(pl_module, "model", None), "config", None)
+    width = int(getattr(config, "hidden_size", 0) or getattr(pl_module, "n_embd", 0))
+    vocab = int(getattr(config, "vocab_size", 0) or getattr(pl_module, "vocab_size", 0))
+    inputs = batch[0]
+    if inputs.ndim == 4:  # images: ViT's patches plus the class token
+        tokens_per_row = (inputs.shape[-1] // config.patch_size) ** 2 + 1
+    else:
+        tokens_per_row = inputs.shape[1]
+    tokens = inputs.shape[0] * tokens_per_row // microbatches
+    fwd_ar, fwd_ag, bwd_ar = regions + embeddings, heads, regions + heads
+    return {"regions": regions, "embeddings": embeddings, "heads": heads, "fwd_AR": fwd_ar, "fwd_AG": fwd_ag,
+            "bwd_AR": bwd_ar, "bytes": 4 * tokens * (width * (fwd_ar + bwd_ar) + vocab * fwd_ag),
+            "microbatches": microbatches, "stage": "first" if first and not last else "last" if last and not first else "all",
+            "tokens": tokens, "width": width, "vocab": vocab}
+
+
+# ---------------------------------------------------------------- runs
+def _worker(cases: list[tuple[str, str, FitSpec]]) -> list[dict[str, Any]]:
+    torch.set_num_threads(1)
+    out: list[dict[str, Any]] = []
+    for model, layout, spec in cases:
+        _RESULTS.clear()
+        try:
+            run_fit(spec)
+            out.append(_RESULTS[-1] if _RESULTS else {"model": model, "layout": layout, "error": "nothing measured"})
+        except Exception as error:  # noqa: BLE001 - reported in the table
+            out.append({"model": model, "layout": layout, "error": f"{type(error).__name__}: {error}".splitlines()[0][:200],
+                        "trace": traceback.format_exc()[-3000:]})
+    return out
+
+
+def _case(model: str, base: FitSpec, layout: str, track_modules: bool = False) -> FitSpec:
+    kwargs, devices = LAYOUTS[layout]
+    return dataclasses.replace(
+        base, strategy={"class": HYBRID, **kwargs}, devices=devices, max_steps=MEASURED_STEP + 1, trainer_kwargs={},
+        callbacks=[(f"{__name__}:CommCounter", {"model": model, "layout": layout, "track_modules": track_modules})],
+    )
+
+
+def _per_forward(counts: dict[str, int], key: str, microbatches: int) -> float:
+    return counts.get(key, 0) / microbatches
+
+
+def _fmt(x: float) -> str:
+    return f"{x:g}" if x == int(x) else f"{x:.2f}"
+
+
+def _other(counts: dict[str, int], microbatches: int) -> str:
+    """DTensor kinds besides forward AR/AG and backward AR, and plain torch.distributed calls, per forward."""
+    parts = []
+    for key in sorted(counts):
+        phase, source, kind = key.split("/")
+        if kind == "bytes" or phase == "after" or (source == "dtensor" and (phase, kind) in (("fwd", "AR"), ("fwd", "AG"), ("bwd", "AR"))):
+            continue
+        parts.append(f"{phase if source == 'dtensor' else 'c10d'} {kind} {_fmt(counts[key] / microbatches)}")
+    return ", ".join(parts) or "-"
+
+
+def format_table(results: list[dict[str, Any]]) -> str:
+    lines = [
+        "| model | layout (stage) | fwd AR | fwd AG | bwd AR | DTensor MiB | minimum fwd AR + AG / bwd AR | min MiB | ratio count | ratio bytes | other collectives |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['model']} | {r['layout']} | error: {r['error'].replace('|', '/')} ||||||||| |")
+            continue
+        c, m = r["counts"], r["minimum"]
+        mb = m["microbatches"]
+        stage = "" if m["stage"] == "all" else f" ({m['stage']} stage, per microbatch of {mb})"
+        fwd_ar = _per_forward(c, "fwd/dtensor/AR", mb)
+        fwd_ag = _per_forward(c, "fwd/dtensor/AG", mb)
+        bwd_ar = _per_forward(c, "bwd/dtensor/AR", mb)
+        total = sum(v for k, v in c.items() if k.split("/")[1] == "dtensor" and k.split("/")[0] != "after"
+                    and k.split("/")[2] != "bytes") / mb
+        nbytes = sum(v for k, v in c.items() if k.endswith("dtensor/bytes") and not k.startswith("after")) / mb
+        minimum = m["fwd_AR"] + m["fwd_AG"] + m["bwd_AR"]
+        ratio = f"{total / minimum:.2f}" if minimum else ("-" if not total else "inf")
+        ratio_bytes = f"{nbytes / m['bytes']:.2f}" if m["bytes"] else "-"
+        lines.append(
+            f"| {r['model']} | {r['layout']}{stage} | {_fmt(fwd_ar)} | {_fmt(fwd_ag)} | {_fmt(bwd_ar)} | {nbytes / 2**20:.3f} "
+            f"| {m['fwd_AR']} + {m['fwd_AG']} / {m['bwd_AR']} | {m['bytes'] / 2**20:.3f} | {ratio} | {ratio_bytes} | {_other(c, mb)} |"
+        )
+    return "\n".join(lines)
+
+
+def _rows(per_rank: list[list[dict[str, Any]]], layout: str) -> list[dict[str, Any]]:
+    """One row per model (tp2: rank 0) or per model and stage (tp2 x pp2: the first rank of each stage)."""
+    ranks = [0] if layout == "tp2" else [0, 2]
+    rows = []
+    for i in range(len(per_rank[0])):
+        for rank in ranks:
+            rows.append(per_rank[rank][i])
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    specs = model_specs()
+    parser.add_argument("--models", help=f"comma-separated subset of {list(specs)} (prefix match)")
+    parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated subset of {list(LAYOUTS)}")
+    parser.add_argument("--where", help="also print one model's per-module counts under tp2 (CommDebugMode's module tracker)")
+    args = parser.parse_args(argv)
+    names = list(specs)
+    if args.models:
+        wanted = [w.strip() for w in args.models.split(",") if w.strip()]
+        names = [n for n in names if any(n == w or n.startswith(w + " ") for w in wanted)]
+    layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
+    start = time.monotonic()
+    rows: list[dict[str, Any]] = []
+    for layout in layouts:
+        cases = [(name, layout, _case(name, specs[name], layout)) for name in names]
+        per_rank = run_distributed(_worker, LAYOUTS[layout][1], cases, init_backend=None, timeout=300.0 + 120.0 * len(cases))
+        rows.extend(_rows(per_rank, layout))
+    print("Minimum per forward (no sequence parallelism): forward R + E all-reduces + H all-gathers, backward R + H all-reduces;")
+    print("R = split regions (attention, feed-forward per block), E = vocabulary-parallel embedding, H = gathered LM head;")
+    print("bytes 4*N*C per all-reduce + 4*N*V per all-gather (fp32). Measured: DTensor collectives of step 2")
+    print("(forward + backward), per microbatch under pp; 'other': further DTensor kinds and plain torch.distributed (c10d) calls.")
+    print(format_table(rows))
+    sites: dict[str, set[str]] = defaultdict(set)
+    for row in rows:
+        for site in row.get("sites", {}):
+            sites[site].add(row["layout"])
+    print("\nplain torch.distributed calls in the measured step (kind at caller: layouts):")
+    for site, where in sorted(sites.items()):
+        print(f"  {site}: {', '.join(sorted(where))}")
+    for row in rows:
+        if "trace" in row:
+            print(f"\n--- {row['model']} {row['layout']}:\n{row['trace']}")
+    if args.where:
+        name = next(n for n in specs if n == args.where or n.startswith(args.where + " "))
+        result = run_distributed(_worker, 2, [(name, "tp2", _case(name, specs[name], "tp2", track_modules=True))],
+                                 init_backend=None, timeout=600.0)[0][0]
+        print(f"\nper-module collectives of {name} under tp2 (rank 0; CommDebugMode module tracker; a parent counts its children's):")
+        for module, entry in result.get("modules", {}).items():
+            if re.search(r"\.[1-9]\d*(\.|$)", module):
+                continue  # one block of each is enough
+            fwd = ", ".join(f"{k} {v}" for k, v in entry.get("forward", {}).items())
+            bwd = ", ".join(f"{k} {v}" for k, v in entry.get("backward", {}).items())
+            if fwd or bwd:
+                print(f"  {module}: forward [{fwd}] backward [{bwd}]")
+    print(f"({time.monotonic() - start:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -63,7 +63,8 @@ def test_cp_holds_one_cp_th_of_each_sequence_plus_the_kv_exchange(facts: Any) ->
 
 def test_kv_traffic_per_block_and_microbatch(facts: Any) -> None:
     """All-gather: ``(cp-1)/cp`` of the layer's K/V forward and the reduce-scatter of their gradients in
-    backward, exposed; ring: ``cp - 1`` neighbour steps, the forward's hidden under the block's attention."""
+    backward, exposed; ring: ``cp - 1`` neighbour steps, each hidden under the block's attention (forward)
+    or its gradients (backward), the fp32 gradients exposed."""
     hw = get_profile("h100")
     bw, lat = hw.intra_bandwidth, hw.intra_latency  # cp x tp = 4 ranks inside a node
     seq, batch, cp, b = 4096, 4, 4, 2
@@ -77,7 +78,8 @@ def test_kv_traffic_per_block_and_microbatch(facts: Any) -> None:
     ring = _predict(facts, Layout(1, 2, 1, 1, cp=cp, cp_attention="ring"), seq, batch)
     send, grad = kv_bytes / bw + lat, kv_bytes * 2 / bw + lat  # the block, and its fp32 gradient
     block = 4 * local * local * H / hw.flops("bf16")  # local queries over one key block
-    per_block = (cp - 1) * max(0.0, send - block) + (cp - 1) * (send + grad) + grad
+    # backward: the next block travels during this one's gradients (twice the forward's FLOPs), the fp32 gradient after
+    per_block = (cp - 1) * max(0.0, send - block) + (cp - 1) * (max(0.0, send - 2 * block) + grad) + grad
     assert ring.time["cp_comm"] == pytest.approx(LAYERS * per_block)
     # The attention FLOPs are the local queries over all keys: dp2 x cp2 computes what dp4 does.
     assert _predict(facts, Layout(1, 2, 1, 1, cp=2), seq, batch).time["compute"] == pytest.approx(

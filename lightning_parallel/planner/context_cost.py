@@ -19,8 +19,9 @@ bytes per element:
 * ``"ring"`` (pass-KV): ``cp - 1`` neighbour steps of the ``T kv b`` block. Forward sends the next
   block while this one is attended to (``4 T^2 h / t`` FLOPs), so only ``max(0, send - compute)``
   shows (times the profile's ``comm_overlap``); backward, as parallel/context/attention.py runs it,
-  sends each block and its fp32 gradient after the block's gradients are computed (not overlapped),
-  plus the last hop that brings every gradient home. Memory: the fp32 merged output and log-sum-exp
+  sends the next block while this one's gradients are computed (``8 T^2 h / t`` FLOPs, the same
+  overlap) and each block's fp32 gradient after them (not overlapped), plus the last hop that
+  brings every gradient home. Memory: the fp32 merged output and log-sum-exp
   kept for the flash-style backward (no ``s x s`` scores, whatever the kernel), and two blocks in
   flight with their fp32 gradients.
 
@@ -77,7 +78,8 @@ def context_comm_time(facts: ModelFacts, cp: int, form: str, local_tokens: float
     send = p2p_time(kv_bytes, link)
     forward = (cp - 1) * (send - min(send, block) * overlap)
     grad_bytes = kv_bytes / elem_bytes * ACC_BYTES
-    backward = (cp - 1) * (send + p2p_time(grad_bytes, link)) + p2p_time(grad_bytes, link)
+    hidden = send - min(send, 2.0 * block) * overlap  # the next block travels during this one's gradients
+    backward = (cp - 1) * (hidden + p2p_time(grad_bytes, link)) + p2p_time(grad_bytes, link)
     return forward * (1.0 + recompute) + backward
 
 

@@ -160,3 +160,26 @@ def test_3d_prices_the_users_cp_and_keeps_the_strategys_refusals() -> None:
     assert result.choice.cp == 2 and plan.world_size == 8  # type: ignore[union-attr]
     assert {p.layout.cp for p in plan.ranked} == {2}
     assert any(r.prediction is not None and r.prediction.layout.pp > 1 and "does not compose" in r.reason for r in plan.rejected)
+
+
+def test_3d_with_cp_auto_takes_the_planners_cp(monkeypatch: pytest.MonkeyPatch) -> None:
+    """'3d' with context_parallel_size="auto": the planner searches cp (where nothing without it fits) on the
+    whole world and the strategy lays out the degrees it chose, cp included."""
+    import lightning_parallel.strategies.layout as layout
+    from lightning_parallel.planner.auto_degrees import DegreeChoice
+    from lightning_parallel.strategies.hybrid import HybridParallelStrategy
+
+    asked: dict[str, Any] = {}
+
+    def planner(module: Any, world_size: int, **kwargs: Any) -> DegreeChoice:
+        asked.update(world_size=world_size, cp=kwargs["context_parallel_size"])
+        return DegreeChoice(dp=1, tp=2, pp=1, tried=(), cp=2)
+
+    monkeypatch.setattr(layout, "choose_3d_degrees", planner)
+    strategy = HybridParallelStrategy(data_parallel_size="auto", tensor_parallel_size="auto", pipeline_parallel_size="auto",
+                                      context_parallel_size="auto")
+    with torch.device("meta"):
+        strategy.connect(GPT(vocab_size=64, block_size=64, n_layer=4, n_head=4, n_embd=32))
+    dims = strategy.resolve_dims(4)
+    assert asked == {"world_size": 4, "cp": None}  # searched, on all 4 ranks
+    assert (dims.dp, dims.cp, dims.tp, dims.pp) == (1, 2, 2, 1)

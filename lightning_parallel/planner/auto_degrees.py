@@ -17,11 +17,13 @@ data loader does not exist yet when the degrees are chosen), so every rank compu
 choice without talking to the others. A model that allows no model-parallel degree above 1 is
 an error listing every degree tried and why it failed, not a silent fallback to data parallelism.
 
-Context parallelism is the user's degree here (an int ``context_parallel_size``; ``3d`` does not
-choose it): the strategy asks for the degrees of the ``world / cp`` ranks left, and the planner prices
-them on the whole world with that ``cp`` fixed (each rank holds ``1/cp`` of every sequence, gradients
-over ``dp x cp``), so the choice sees the memory cp saves. The strategy's own check refuses cp with
-pipeline or expert parallelism (``strategies/auto_layout.py``, ``engine_check``).
+Context parallelism: with an int ``context_parallel_size`` the strategy asks for the degrees of the
+``world / cp`` ranks left, and the planner prices them on the whole world with that ``cp`` fixed (each
+rank holds ``1/cp`` of every sequence, gradients over ``dp x cp``), so the choice sees the memory cp
+saves. With ``context_parallel_size="auto"`` the planner chooses cp too, searching it only where no
+layout without it fits at the nominal batch (the model's longest sequence): ``3d`` turns to context
+parallelism for long sequences, not by default. The strategy's own check refuses cp with pipeline
+parallelism (``strategies/auto_layout.py``, ``engine_check``).
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ class DegreeChoice:
     tried: tuple[str, ...]
     ep: int = 1
     plan: PlanResult | None = None
-    cp: int = 1  # fixed by the user, not chosen (module docstring)
+    cp: int = 1  # fixed by the user, or chosen for context_parallel_size="auto" (module docstring)
 
     def explain(self) -> str:
         cp = f" x cp={self.cp}" if self.cp > 1 else ""
@@ -89,7 +91,7 @@ def choose_3d_degrees(
     global_batch: int | None = None,
     seq_len: int | None = None,
     check: LayoutCheck | None = None,
-    context_parallel_size: int = 1,
+    context_parallel_size: int | None = 1,
     context_parallel_attention: str = "allgather",
 ) -> DegreeChoice:
     """Tensor, pipeline, expert and data degrees for ``module`` on ``world_size`` processes (module docstring).
@@ -97,7 +99,9 @@ def choose_3d_degrees(
     ``pipeline_schedule=None`` lets the planner pick among 1F1B, interleaved 1F1B and GPipe;
     ``microbatches`` "auto" is the strategy's rule (one per stage, at least 2). With
     ``context_parallel_size`` ``cp > 1``, ``world_size`` is the ranks per context-parallel rank
-    (``world / cp``) and the layouts are priced on ``world_size x cp`` devices.
+    (``world / cp``) and the layouts are priced on ``world_size x cp`` devices; ``None`` (the strategy's
+    ``context_parallel_size="auto"``) searches cp on ``world_size`` devices where nothing without it fits
+    (at the model's longest sequence, ``seq_len`` unless given).
     """
     if not any(True for _ in module.parameters()):
         raise config_error(
@@ -132,11 +136,11 @@ def choose_3d_degrees(
         context_parallel_size=cp, context_parallel_attention=(context_parallel_attention,),
     )
     seq = seq_len or facts.max_seq or 128
-    if cp > 1:  # a nominal length that the 2 x cp head-tail chunks cut evenly (the real batch is not known yet)
+    if cp is not None and cp > 1:  # a nominal length that the 2 x cp head-tail chunks cut evenly (the real batch is not known yet)
         seq = max(2 * cp, seq // (2 * cp) * 2 * cp)
     batch = global_batch or 2 * world_size * (virtual_stages if virtual_stages > 1 else 1)
     result = plan_layouts(
-        facts, world_size * cp, global_batch=batch, seq_len=seq, hardware=hardware, devices_per_node=processes_per_node,
+        facts, world_size * (cp or 1), global_batch=batch, seq_len=seq, hardware=hardware, devices_per_node=processes_per_node,
         device_memory=device_memory, dtype=dtype, space=space, check=check,
     )
     chosen = result.chosen.layout  # raises the listed reasons when nothing with model parallelism fits

@@ -113,7 +113,7 @@ def planner_inputs(strategy: Any, module: nn.Module) -> dict[str, Any]:
     profile = profile_for_device(device) if device.type == "cuda" else get_profile("cpu")
     cp = strategy._degrees.get("context_parallel_size", 1)
     return {
-        "context_parallel_size": cp if isinstance(cp, int) else 1,  # "auto" cp beside "auto" tp/pp is refused by ParallelDims
+        "context_parallel_size": cp if isinstance(cp, int) else None,  # "auto": searched where nothing without it fits
         "context_parallel_attention": getattr(strategy, "context_parallel_attention", "allgather"),
         "expert_parallel_size": strategy._degrees["expert_parallel_size"],
         "pipeline_schedule": strategy.pipeline_schedule,

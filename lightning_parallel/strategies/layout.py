@@ -79,9 +79,10 @@ class LayoutMixin:
         world_size = world_size if world_size is not None else self.num_nodes * self.num_processes
         degrees = dict(self._degrees)
         if degrees["tensor_parallel_size"] == "auto" and degrees["pipeline_parallel_size"] == "auto":
-            cp = degrees["context_parallel_size"]  # an int here (ParallelDims refuses "auto" beside these)
+            cp = degrees["context_parallel_size"]  # an int: laid out on world / cp; "auto": the planner chooses it too
             choice = self._choose_3d_degrees(world_size // cp if isinstance(cp, int) and world_size % cp == 0 else world_size)
-            degrees.update(tensor_parallel_size=choice.tp, pipeline_parallel_size=choice.pp, data_parallel_size=choice.dp)
+            degrees.update(tensor_parallel_size=choice.tp, pipeline_parallel_size=choice.pp, data_parallel_size=choice.dp,
+                           context_parallel_size=choice.cp)
             if degrees["expert_parallel_size"] == "auto":  # 4D for a model with MoE layers, 1 for a dense one
                 degrees["expert_parallel_size"] = choice.ep
         dims = ParallelDims.resolve(

@@ -265,11 +265,30 @@ class RegionForward:
         self.gather_input = gather_input
         self.slice_output = slice_output
 
+    def _region_input(self, x: Tensor) -> Tensor:
+        """The hidden states as ONE replicated DTensor for the whole region (sequence gathered first
+        under sequence parallelism).
+
+        Why: a column-parallel layer turns a plain input into a DTensor of its own, and that
+        conversion's backward reduces the layer's partial input gradient by itself, so q, k and v
+        (or gate and up) reading the same hidden states sent one all-reduce each. With a single
+        DTensor entering the region, autograd sums the layers' partial gradients (still ``Partial``)
+        and the one conversion here reduces them once: an all-reduce, or under sequence parallelism
+        a reduce-scatter back to this rank's slice (the Megatron minimum).
+        """
+        if isinstance(x, DTensor) or not x.is_floating_point():
+            return gather_sequence(x, self.mesh) if self.gather_input and not isinstance(x, DTensor) else x
+        if self.gather_input:
+            return DTensor.from_local(x, self.mesh, [Shard(1)], run_check=False).redistribute(self.mesh, [Replicate()])
+        return DTensor.from_local(x, self.mesh, [Replicate()], run_check=False)
+
     # Eager even inside a compiled block (``compile_blocks``): the region's dispatch mode and
     # implicit replication are not traceable by dynamo, so the block's graph breaks around it.
     @torch.compiler.disable
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.gather_input:
+        if self.dtensor_region:
+            args, kwargs = _first_tensor_arg(args, kwargs, self._region_input)
+        elif self.gather_input:
             args, kwargs = _first_tensor_arg(args, kwargs, lambda x: gather_sequence(x, self.mesh))
         with contextlib.ExitStack() as stack:
             if self.dtensor_region:

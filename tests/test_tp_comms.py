@@ -1,0 +1,98 @@
+"""Tensor parallelism sends the Megatron minimum: counted with ``CommDebugMode`` (issue 26, item 4).
+
+Parity cannot see communication: a region whose q, k and v projections each reduced their input
+gradient (three all-reduces where one suffices) trained to the same numbers. So this counts the
+DTensor collectives of one forward + backward of the package's GPT and Llama (2 blocks, tp2,
+pure torch, gloo) and holds them to the minimum, per phase:
+
+* without sequence parallelism, per block 2 all-reduces forward (each region's output) and 2
+  backward (each region's input gradient: q/k/v, or gate/up, summed before one reduction), plus
+  1 forward all-reduce for the vocabulary-parallel embedding and, for the gathered LM head,
+  1 all-gather forward and 1 all-reduce backward;
+* with sequence parallelism the same reductions as reduce-scatters and all-gathers (a region
+  gathers the sequence on entry and reduce-scatters its output; backward the reverse), plus the
+  all-reduce of every sequence-parallel norm parameter's partial gradient.
+
+``benchmarks/bench_tp_comms.py`` prints the same counts for every coverage model through the Trainer.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from lightning_parallel.testing import run_distributed
+
+BLOCKS = 2
+
+
+def _build(kind: str) -> torch.nn.Module:
+    from lightning_parallel.models.gpt import GPT
+    from lightning_parallel.models.llama import Llama
+
+    torch.manual_seed(0)
+    if kind == "gpt":
+        return GPT(vocab_size=64, block_size=16, n_layer=BLOCKS, n_head=4, n_embd=32)
+    return Llama(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=BLOCKS, num_attention_heads=8,
+                 num_key_value_heads=4)
+
+
+def _count(cases: list[tuple[str, bool]]) -> list[dict[str, int]]:
+    """Per case: DTensor collective counts of one forward + backward, keyed ``phase/op``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from lightning_parallel.parallel.tensor.apply import apply_tensor_parallel
+    from lightning_parallel.parallel.tensor.plan import resolve_tp_plan
+
+    class PhaseCounts(CommDebugMode):
+        """``CommDebugMode`` with each functional collective's phase (inside an autograd graph task: backward)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.phases: Counter[str] = Counter()
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            before = sum(self.comm_counts.values())
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            if out is not NotImplemented and sum(self.comm_counts.values()) != before:
+                phase = "bwd" if torch._C._current_graph_task_id() != -1 else "fwd"
+                self.phases[f"{phase}/{func._overloadpacket.__name__}"] += 1
+            return out
+
+    mesh = init_device_mesh("cpu", (2,))
+    out = []
+    for kind, sequence_parallel in cases:
+        model = _build(kind)
+        apply_tensor_parallel(model, mesh, resolve_tp_plan(model, 2), sequence_parallel=sequence_parallel)
+        torch.manual_seed(1)
+        tokens = torch.randint(0, 64, (4, 9))
+        mode = PhaseCounts()
+        with mode:
+            logits = model(tokens[:, :-1])
+            F.cross_entropy(logits.reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1)).backward()
+        out.append(dict(mode.phases))
+    return out
+
+
+def test_region_input_gradient_reduced_once() -> None:
+    cases = [("gpt", False), ("llama", False), ("gpt", True)]
+    gpt, llama, gpt_sp = run_distributed(_count, 2, cases, timeout=300)[0]
+    regions = 2 * BLOCKS
+    minimum = {"fwd/all_reduce": regions + 1, "fwd/all_gather_into_tensor": 1, "bwd/all_reduce": regions + 1}
+    assert gpt == minimum, gpt  # separate q, k, v (and one fc): were 3 + 1 all-reduces per block backward
+    assert llama == minimum, llama  # q, k, v and gate, up: were 3 + 2
+    norm_params = 2 * (2 * BLOCKS + 1)  # ln_1, ln_2 per block and ln_f; weight and bias each
+    assert gpt_sp == {
+        # regions gather the sequence on entry; the LM head gathers it, then gathers the logits
+        "fwd/all_gather_into_tensor": regions + 2,
+        "fwd/reduce_scatter_tensor": regions + 1,  # region outputs, the embedding's output
+        "bwd/reduce_scatter_tensor": regions + 1,  # region inputs, the LM head's input
+        # region outputs' gradients; the token embedding's reduce-scatter and the position embedding's
+        # slice each gather the gradient of the stream they started
+        "bwd/all_gather_into_tensor": regions + 2,
+        "bwd/all_reduce": norm_params,  # sequence-parallel norms: partial parameter gradients
+    }, gpt_sp

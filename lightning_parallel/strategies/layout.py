@@ -27,7 +27,7 @@ from lightning_parallel.parallel.data.apply import apply_ddp, apply_fsdp
 from lightning_parallel.planner.auto_degrees import DegreeChoice, choose_3d_degrees
 from lightning_parallel.strategies.auto_layout import planner_inputs, planning_view
 from lightning_parallel.parallel.pipeline.schedules import resolve_virtual_stages, schedule_spec
-from lightning_parallel.parallel.context.hf import route_hf_models
+from lightning_parallel.parallel.context.hf import routable_models, route_hf_models
 from lightning_parallel.parallel.dims import EDP, TP, ParallelDims
 from lightning_parallel.parallel.experts.apply import validate_expert_parallel
 from lightning_parallel.parallel.materialize import MetaInitContext, RngSnapshot, has_meta_tensors, materialize_meta_module, move_real_tensors
@@ -126,6 +126,8 @@ class LayoutMixin:
             return  # laid out by an earlier stage (fit, then test): its plans were checked then
         if self.parallel_dims.ep > 1 and module is not None and any(True for _ in module.parameters()):
             validate_expert_parallel(module, self.parallel_dims.ep)  # no MoE layer, E % ep: before any collective
+        if self.parallel_dims.cp > 1 and module is not None and any(True for _ in module.parameters()):
+            routable_models(module, self.parallel_dims.cp)  # a model cp cannot route: before any collective
         if self._tp_resolved is None and self.parallel_dims.tp > 1 and module is not None and any(
             True for _ in module.parameters()
         ):

@@ -188,9 +188,9 @@ def _post_hook(model: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
     return output
 
 
-def route_hf_models(module: nn.Module, cp: int) -> list[nn.Module]:
-    """Switch every ``transformers`` model inside ``module`` to context-parallel attention and
-    install the position/label hooks; return the models. A module holding none is an error."""
+def routable_models(module: nn.Module, cp: int) -> list[nn.Module]:
+    """The ``transformers`` models inside ``module`` context parallelism can route, or a typed error
+    (pure inspection: the strategy calls it before any collective, and again when it routes)."""
     models = _pretrained_models(module)
     if not models:
         raise config_error(
@@ -199,7 +199,6 @@ def route_hf_models(module: nn.Module, cp: int) -> list[nn.Module]:
             f" {type(module).__name__} holds no transformers PreTrainedModel",
             "wrap a transformers model in the LightningModule, or train without context_parallel_size",
         )
-    _register()
     for model in models:
         if "position_ids" not in inspect.signature(model.forward).parameters:
             raise config_error(
@@ -208,6 +207,15 @@ def route_hf_models(module: nn.Module, cp: int) -> list[nn.Module]:
                 " that derives positions from the length it is given would place every chunk at the start",
                 "use a model whose forward takes position_ids, or train without context_parallel_size",
             )
+    return models
+
+
+def route_hf_models(module: nn.Module, cp: int) -> list[nn.Module]:
+    """Switch every ``transformers`` model inside ``module`` to context-parallel attention and
+    install the position/label hooks; return the models. A module holding none is an error."""
+    models = routable_models(module, cp)
+    _register()
+    for model in models:
         model.set_attn_implementation(ATTENTION)
         if model.config._attn_implementation != ATTENTION:
             raise config_error(

@@ -20,7 +20,7 @@ from lightning_parallel.planner.cost import Layout, Workload, predict
 from lightning_parallel.planner.hardware import GiB, get_profile
 from lightning_parallel.planner.model import model_facts
 from lightning_parallel.planner.search import SearchSpace, plan_layouts
-from lightning_parallel.testing.real_models import build_hf_model
+from lightning_parallel.testing.real_models import HFCausalLM, build_hf_model
 
 H, HEADS, KV_HEADS, LAYERS, VOCAB = 256, 8, 2, 4, 32000  # grouped-query attention: 2 key/value heads of 8
 
@@ -150,8 +150,8 @@ def test_3d_prices_the_users_cp_and_keeps_the_strategys_refusals() -> None:
     from lightning_parallel.strategies.hybrid import HybridParallelStrategy
     from lightning_parallel.strategies.preflight import preflight
 
-    with torch.device("meta"):
-        model = GPT(vocab_size=64, block_size=64, n_layer=4, n_head=4, n_embd=32)
+    with torch.device("meta"):  # context parallelism routes a transformers model (its positions, its attention)
+        model = HFCausalLM("llama", n_layer=4, config={"max_position_embeddings": 64})
     strategy = HybridParallelStrategy(data_parallel_size="auto", tensor_parallel_size="auto", pipeline_parallel_size="auto",
                                       context_parallel_size=2)
     result = preflight(strategy, model, 8)

@@ -100,9 +100,10 @@ def _merge(out: Tensor | None, lse: Tensor | None, block_out: Tensor, block_lse:
     return out * w_old + block_out * w_new, new
 
 
-# Scores held at once by one query tile of a ring block (2**24 elements: 64 MiB in fp32): the ring's
+# Scores held at once by one query tile of a ring block (2**20 elements: 4 MiB in fp32; three such
+# tensors live together in the backward; 2**24 kept 192 MiB at any length, docs/context.md): the ring's
 # transient memory stays bounded whatever the block length, as a flash kernel's tiles keep it.
-TILE_ELEMENTS = 1 << 24
+TILE_ELEMENTS = 1 << 20
 
 
 def _tiles(q: Tensor, k_len: int) -> list[slice]:

@@ -93,4 +93,4 @@ def test_slurm_ranks_map_nodes_onto_the_mesh(monkeypatch: pytest.MonkeyPatch) ->
     grid = torch.arange(4).reshape(dims.shape)  # how init_device_mesh lays global ranks on the mesh
     assert (dims.dp_replicate, dims.dp_shard) == (2, 2)
     for node, ranks in placed.items():  # one replica per node, the shard group inside it
-        assert grid[0, node, :, 0].tolist() == ranks
+        assert grid[0, node, :, 0, 0].tolist() == ranks  # mesh (pp, dp_replicate, dp_shard, cp, tp)

@@ -50,6 +50,16 @@ def check_degree(name: str, value: object) -> None:
         raise config_error(ValueError, name, value, "a degree must be at least 1", f"use {name}=1 to disable this axis")
 
 
+def _what_is_left(world_size: int, explicit: int, field: str, auto_name: str) -> int:
+    """The degree an "auto" ``auto_name`` takes: the world size over the product of the explicit degrees."""
+    if world_size % explicit:
+        raise config_error(
+            ValueError, field, explicit, f"it must divide the world size {world_size} for {auto_name}='auto'",
+            "choose degrees that divide the number of processes",
+        )
+    return world_size // explicit
+
+
 @dataclass(frozen=True)
 class ParallelDims:
     """Resolved degrees; ``dp_replicate * dp_shard * cp * tp * pp == world_size`` always holds."""
@@ -85,59 +95,35 @@ class ParallelDims:
         ``data_parallel_replicate_size="auto"`` meaning one replica per node. ``context_parallel_size``
         counts with the model degrees: its ranks share samples, as tensor-parallel ranks do.
         """
-        check_degree("context_parallel_size", context_parallel_size)
-        if context_parallel_size == "auto":
-            # "auto" context parallelism takes what the explicit degrees leave (all processes by default).
-            if "auto" in (tensor_parallel_size, pipeline_parallel_size):
-                raise config_error(
-                    ValueError, "context_parallel_size", "auto",
-                    "it cannot be 'auto' together with an 'auto' tensor_parallel_size or pipeline_parallel_size",
-                    "give the tensor and pipeline degrees as ints, or an int context_parallel_size",
-                )
-            explicit = (1 if data_parallel_size == "auto" else data_parallel_size) * tensor_parallel_size * pipeline_parallel_size
-            if world_size % explicit:
-                raise config_error(
-                    ValueError, "data_parallel_size * tensor_parallel_size * pipeline_parallel_size", explicit,
-                    f"it must divide the world size {world_size} for context_parallel_size='auto'",
-                    "choose degrees that divide the number of processes",
-                )
-            cp = world_size // explicit
-        else:
-            cp = context_parallel_size
         for name, value in (
             ("data_parallel_size", data_parallel_size),
             ("tensor_parallel_size", tensor_parallel_size),
             ("pipeline_parallel_size", pipeline_parallel_size),
             ("expert_parallel_size", expert_parallel_size),
             ("data_parallel_replicate_size", data_parallel_replicate_size),
+            ("context_parallel_size", context_parallel_size),
         ):
             check_degree(name, value)
-        if pipeline_parallel_size == "auto":
-            # "auto" pipeline stages take what the explicit degrees leave (all processes by default).
-            explicit = cp * (1 if data_parallel_size == "auto" else data_parallel_size) * (
-                1 if tensor_parallel_size == "auto" else tensor_parallel_size
-            )
-            if world_size % explicit:
+        dp_given = 1 if data_parallel_size == "auto" else data_parallel_size
+        # An "auto" degree takes the processes the explicit degrees leave (all of them, by default).
+        if context_parallel_size == "auto":
+            if "auto" in (tensor_parallel_size, pipeline_parallel_size):
                 raise config_error(
-                    ValueError, "data_parallel_size * tensor_parallel_size", explicit,
-                    f"it must divide the world size {world_size} for pipeline_parallel_size='auto'",
-                    "choose degrees that divide the number of processes",
+                    ValueError, "context_parallel_size", "auto",
+                    "it cannot be 'auto' together with an 'auto' tensor_parallel_size or pipeline_parallel_size",
+                    "give the tensor and pipeline degrees as ints, or an int context_parallel_size",
                 )
-            pp = world_size // explicit
+            cp = _what_is_left(world_size, dp_given * tensor_parallel_size * pipeline_parallel_size,
+                               "data_parallel_size * tensor_parallel_size * pipeline_parallel_size", "context_parallel_size")
+        else:
+            cp = context_parallel_size
+        if pipeline_parallel_size == "auto":
+            pp = _what_is_left(world_size, cp * dp_given * (1 if tensor_parallel_size == "auto" else tensor_parallel_size),
+                               "data_parallel_size * tensor_parallel_size", "pipeline_parallel_size")
         else:
             pp = pipeline_parallel_size
         if tensor_parallel_size == "auto":
-            # "auto" tensor parallelism takes the processes the other degrees leave (all, by default).
-            others = cp * pp * (1 if data_parallel_size == "auto" else data_parallel_size)
-            if world_size % others:
-                raise config_error(
-                    ValueError,
-                    "data_parallel_size * pipeline_parallel_size",
-                    others,
-                    f"it must divide the world size {world_size} for tensor_parallel_size='auto'",
-                    "choose degrees that divide the number of processes",
-                )
-            tp = world_size // others
+            tp = _what_is_left(world_size, cp * pp * dp_given, "data_parallel_size * pipeline_parallel_size", "tensor_parallel_size")
         else:
             tp = tensor_parallel_size
         model_degrees = tp * pp * cp

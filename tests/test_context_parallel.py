@@ -102,6 +102,36 @@ def test_hf_models_cp4_dp_cp_tp_cp_match_single_process() -> None:
         _assert_cp_parity(label, [rank[i] for rank in results], spec)
 
 
+# Pipeline stages run cp attention as one traced op (parallel/context/traced.py). With padding, a pipelined
+# labels= loss is a token mean per microbatch (as in tests/test_hf_pp.py): those cases are compared with one
+# process accumulating over the same microbatches (True below), the others with one full-batch step (validation
+# runs the forward-only pipe on whole batches, so it is checked on a case without padding).
+PP_CP_CASES: list[tuple[str, FitSpec, bool]] = [
+    ("pp2xcp2 llama labels padding allgather", _cp(_hf("llama", "labels", padding=True), "allgather", 4,
+                                                   pipeline_parallel_size=2), True),
+    ("pp2xcp2 qwen2 logits ring (forward is the entry)", _cp(_hf("qwen2"), "ring", 4, pipeline_parallel_size=2), False),
+    ("pp2xcp2 gpt2 labels ulysses, validate", _cp(dataclasses.replace(_hf("gpt2", "labels"), validate=True), "ulysses", 4,
+                                                  pipeline_parallel_size=2), False),
+    ("pp2xcp2 mistral sliding window labels padding ring", _cp(_mistral("labels", padding=True), "ring", 4,
+                                                               pipeline_parallel_size=2), True),
+]
+
+
+def test_hf_models_pp2_cp2_match_single_process() -> None:
+    """Four ranks, two stages, each stage's sequence over two cp ranks: positions, padding and the labels=
+    shift stay global inside traced stages (the last stage shifts each microbatch's labels over the cp pair)."""
+    from tests.test_hf_pp import _per_step, _single_process
+
+    results = run_distributed(fits_or_errors, 4, [spec for _, spec, _ in PP_CP_CASES], init_backend=None, timeout=900)
+    for i, (label, spec, accumulating) in enumerate(PP_CP_CASES):
+        ranks = [rank[i] for rank in results]
+        assert "pp=2" in ranks[0].get("layout", {}).get("dims", ""), (label, ranks[0].get("trace"))
+        reference = _reference(_single_process(spec, accumulating))
+        if accumulating:
+            reference = {**reference, "losses": _per_step(reference["losses"])}
+        _assert_cp_parity(label, ranks, spec, reference)
+
+
 def test_checkpoints_move_between_cp_and_one_process(tmp_path: Path) -> None:
     """Train an epoch (3 steps) under cp2 x ZeRO-3 (sharded checkpoint), resume on one process; and one
     process (single file) resumed under cp2 with the ring: the next 3 steps equal an uninterrupted run's."""

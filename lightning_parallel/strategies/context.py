@@ -19,7 +19,7 @@ from lightning_parallel.parallel.dims import CP, ParallelDims
 
 def check_context_layout(dims: ParallelDims, compile_blocks: bool) -> None:
     """The resolved degrees' combinations context parallelism refuses (``parallel/context/options.py``)."""
-    check_context_combination(dims.cp, dims.pp, compile_blocks)
+    check_context_combination(dims.cp, dims.pp, compile_blocks, dims.tp, dims.ep)
 
 
 def begin_step(dims: ParallelDims, form: str, batch_dims: dict[str, Any] | None, args: tuple) -> tuple:
@@ -28,7 +28,7 @@ def begin_step(dims: ParallelDims, form: str, batch_dims: dict[str, Any] | None,
         return args
     group = dims.axis(CP).get_group()
     local, layout = split_batch(args[0], dims.cp, dims.axis(CP).get_local_rank(), batch_dims)
-    activate(ContextStep(layout=layout, group=group, form=form))
+    activate(ContextStep(layout=layout, group=group, form=form, pipelined=dims.pp > 1))
     return (local, *args[1:])
 
 

@@ -213,7 +213,8 @@ class HybridParallelStrategy(LayoutMixin, StepHooksMixin, CollectivesMixin, Chec
         validate_nonfinite(on_nonfinite, max_nonfinite_skips)
         validate_context_options(context_parallel_attention, context_parallel_batch_dims)
         check_context_combination(*(d if isinstance(d, int) else 1 for d in (context_parallel_size, pipeline_parallel_size)),
-                                  bool(compile_blocks))
+                                  bool(compile_blocks),
+                                  *(d if isinstance(d, int) else 1 for d in (tensor_parallel_size, expert_parallel_size)))
         check_fsdp_units(fsdp_units, zero_stage, tensor_parallel_size, pipeline_parallel_size)
         compile_options = compile_kwargs(compile_blocks)  # typed errors here, before any process group
         check_compile_layout(compile_options, *(d if isinstance(d, int) else 1 for d in (pipeline_parallel_size, tensor_parallel_size)))

@@ -175,6 +175,8 @@ class LayoutMixin:
             # tensor parallelism is applied to the traced stages then (parallel/pipeline/tensor.py).
             if dims.tp > 1:
                 self._log_tp_plan()
+            if dims.cp > 1:  # before tracing: the stages record the routed attention as one op (parallel/context/traced.py)
+                route_hf_models(module, dims.cp)
             # A meta-built model stays meta: the driver traces it and materialises this rank's stages only.
             self._pipeline = PipelineDriver(self, module)
             return module

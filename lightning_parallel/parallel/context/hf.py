@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_parallel.parallel.context.step import ContextStep, active_step
+from lightning_parallel.parallel.context.traced import traced_attention
 from lightning_parallel.parallel.errors import config_error
 
 ATTENTION = "lightning_parallel_context"
@@ -66,6 +67,9 @@ def _attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, att
             )
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     scale = scaling if scaling is not None else query.size(-1) ** -0.5
+    if step.pipelined:  # a traced stage: one opaque op, padding read at run time (traced.py)
+        out = traced_attention(query, key, value, attention_mask, causal=bool(causal), window=kwargs.get("sliding_window"), scale=scale)
+        return out.transpose(1, 2).contiguous(), None
     (q, k, v), heads_of = _local_heads(layer, query, key, value)
     out = step.attention(q, k, v, causal=bool(causal), window=kwargs.get("sliding_window"), scale=scale)
     return heads_of(out).transpose(1, 2).contiguous(), None
@@ -94,9 +98,12 @@ def _local_heads(layer: str, *tensors: Tensor) -> tuple[tuple[Tensor, ...], Call
 
 def _mask(*args: Any, **kwargs: Any) -> Any:
     """The mask builder paired with :func:`_attention`: none inside a step (masks are built from
-    global positions there), transformers' SDPA mask outside."""
-    if active_step() is not None:
-        return None
+    global positions there), transformers' SDPA mask outside. In a pipelined step the 2-D padding
+    mask itself (or None): the traced attention op takes it as an input, so each microbatch's
+    padding reaches its attention at run time."""
+    step = active_step()
+    if step is not None:
+        return kwargs.get("attention_mask") if step.pipelined else None
     from transformers.masking_utils import sdpa_mask
 
     return sdpa_mask(*args, **kwargs)
@@ -144,7 +151,22 @@ def _route_inputs(model: nn.Module, step: ContextStep, call: dict[str, Any]) -> 
             "under context parallelism only a [batch, sequence] padding mask can be carried across chunks",
             "pass the tokenizer's 2-D attention_mask (causality and sliding windows come from the model itself)",
         )
+    if step.pipelined:  # the padding reaches the traced attention op as an input; labels= on the last stage
+        if isinstance(call.get("labels"), Tensor) and torch.compiler.is_exporting():
+            raise config_error(
+                ValueError, f"{type(model).__name__}(labels=...)", "inside the traced forward",
+                "under pipeline x context parallelism a labels= loss must stay out of the pipeline's trace, so that it is"
+                " computed on the last stage over labels shifted across the whole sequence",
+                "call the model from training_step (self.model(..., labels=...)), or compute the loss from the logits",
+            )
+        return call
     step.key_valid = step.gather(mask).bool() if isinstance(mask, Tensor) else None  # this call's padding only
+    return shift_labels_globally(model, step, call)
+
+
+def shift_labels_globally(model: nn.Module, step: ContextStep, call: dict[str, Any]) -> dict[str, Any]:
+    """A ``labels=`` call's keywords with the labels shifted over the whole sequence (see the module
+    docstring); the pipeline's last stage calls it for each microbatch's loss."""
     labels = call.get("labels")
     if isinstance(labels, Tensor):
         for taken in ("shift_labels", "num_items_in_batch"):
@@ -171,6 +193,8 @@ def _pre_hook(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]
     step = active_step()
     if step is None:
         return None
+    if step.pipelined:  # no collectives, no nesting count: the pipeline probes calls it abandons midway
+        return (), _route_inputs(model, step, _arguments(model, args, kwargs))
     step.depth += 1
     if step.depth > 1:  # an inner model called by the outer one: positions are passed down already
         return None
@@ -179,7 +203,7 @@ def _pre_hook(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]
 
 def _post_hook(model: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
     step = active_step()
-    if step is None:
+    if step is None or step.pipelined:
         return None
     step.depth -= 1
     loss = getattr(output, "loss", None)

@@ -32,17 +32,18 @@ def validate_context_options(attention: Any, batch_dims: Any) -> None:
             )
 
 
-def check_context_combination(cp: int, pp: int, compile_blocks: bool) -> None:
+def check_context_combination(cp: int, pp: int, compile_blocks: bool, tp: int = 1, ep: int = 1) -> None:
     """Combinations context parallelism does not run yet: typed errors before any collective (in
     ``__init__`` for int degrees, again once "auto" degrees are resolved)."""
     if cp == 1:
         return
-    if pp > 1:
+    if pp > 1 and (tp > 1 or ep > 1):
+        other = "tensor_parallel_size" if tp > 1 else "expert_parallel_size"
         raise config_error(
-            ValueError, f"context_parallel_size={cp} with pipeline_parallel_size", pp,
-            "context parallelism does not compose with pipelines yet (stages are traced graphs, and the cp routing"
-            " hooks the whole model's call)",
-            "use context parallelism with data, ZeRO, tensor and expert parallelism, or set pipeline_parallel_size=1",
+            ValueError, f"context_parallel_size={cp} with pipeline_parallel_size={pp} and {other}", tp if tp > 1 else ep,
+            "pipeline stages run context-parallel attention as a traced op (pp x cp, dp x pp x cp), but not yet beside"
+            " tensor or expert parallelism inside the stages",
+            f"set {other}=1 with pipelines, or pipeline_parallel_size=1 (cp composes with tp and ep without pipelines)",
         )
     if compile_blocks:
         raise config_error(

@@ -26,6 +26,7 @@ class ContextStep:
     form: str
     key_valid: Tensor | None = None  # global [B, S] padding (True = token), from the model's attention_mask
     depth: int = 0  # nesting of hooked model calls: the outermost one handles positions and labels
+    pipelined: bool = False  # pipeline stages: attention is a traced op (traced.py), labels= handled on the last stage
 
     def gather(self, local: Tensor, dim: int = 1) -> Tensor:
         """The whole-sequence tensor, in global order, from every rank's part (no gradient)."""

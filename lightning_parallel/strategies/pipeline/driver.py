@@ -65,8 +65,10 @@ from lightning_parallel.parallel.pipeline.moe import (
 from lightning_parallel.parallel.pipeline.tensor import (
     apply_stage_tensor_parallel,
     local_part,
+    retarget_calls,
     swap_optimizer_parameters,
 )
+from lightning_parallel.parallel.context.traced import TRACED_ATTENTION, local_heads_attention
 from lightning_parallel.parallel.pipeline.meta import meta_output_forward, retarget_devices, to_meta
 from lightning_parallel.parallel.pipeline.schedules import batch_size_of
 from lightning_parallel.strategies.early_zero_grad import gradients_dropped_before_backward
@@ -129,7 +131,8 @@ class PipelineDriver(PipelineStateMixin):
             cpu_offload=strategy.cpu_offload,
         )
         self.group = dims.axis(PP).get_group()
-        self._dp_group = dims.axis(DP).get_group() if dims.dp > 1 else None
+        # gradients are averaged over dp, and over cp too (each cp rank's gradient covers its chunks)
+        self._dp_group = dims.axis(dims.grad_axis).get_group() if dims.grad_size > 1 else None
         self._last_rank = dist.get_global_rank(self.group, self.config.plan.stages[-1].rank)
         self._runtime: PipelineRuntime | None = None
         self.checkpointed: list[str] = []  # block FQNs recomputed in backward on this rank, once traced
@@ -202,8 +205,8 @@ class PipelineDriver(PipelineStateMixin):
         self._runtime.release_non_owned()
         release_host_memory()  # tracing's garbage (export's fake tensors, graphs of the other stages) off the heap
         whole = unit_parameter_names(self.module)  # MoE layers' parameters: kept out of tp and ZeRO (see below)
-        if self._moe and self.dims.dp > 1:  # balance losses over the global microbatch
-            set_moe_stats_group(self.module, self.dims.axis(DP).get_group())
+        if self._moe and self.dims.grad_size > 1:  # balance losses over the global microbatch (all its tokens)
+            set_moe_stats_group(self.module, self.dims.axis(self.dims.grad_axis).get_group())
         if self.dims.tp > 1:  # pipeline split -> tensor parallel: shard what this rank's stages kept
             plan = self.strategy.tensor_parallel_plan
             # MoE layers are opaque ops that run replicated over tp: their parameters stay whole.
@@ -212,6 +215,7 @@ class PipelineDriver(PipelineStateMixin):
             swap_optimizer_parameters(self._optimizers(), mapping)
             for stage_module in self._runtime.stage_modules():
                 replicate_opaque_calls(stage_module)
+                retarget_calls(stage_module, {TRACED_ATTENTION: local_heads_attention})  # cp attention on local heads
         experts: list[nn.Parameter] = []
         if self.dims.ep > 1:  # -> expert parallel: split the experts this rank's stages kept (still meta for a meta model)
             mapping = apply_stage_expert_parallel(
@@ -227,7 +231,7 @@ class PipelineDriver(PipelineStateMixin):
             experts = [replaced.get(p, p) for p in experts]
         self._expert_params = {id(p) for p in experts}
         self._runtime.finalize_code()  # lean stage code (parallel/pipeline/codegen.py), before FSDP2 wraps the stages
-        if self.dims.dp > 1 and self.strategy.zero_stage >= 1:  # -> data-parallel sharding (FSDP2 per stage)
+        if self.dims.grad_size > 1 and self.strategy.zero_stage >= 1:  # -> data-parallel sharding (FSDP2 per stage, over dp x cp)
             runtime = self._runtime
             # MoE layers run eagerly inside opaque ops, on the layer's own parameters, which FSDP2
             # (gathering into the stage's registrations) would not reach: they stay out of it, and

@@ -18,6 +18,8 @@ trace could not carry it:
   a tensor only the first stage receives. The labels are kept out of the trace and the loss is
   the model's own ``loss_function(logits, labels, vocab_size)`` on the last stage's logits,
   what the model's ``forward`` computes (Hugging Face causal LMs, ``loss_type="ForCausalLM"``).
+  Under context parallelism the last stage's cp peers shift each microbatch's labels over the
+  whole sequence first (``parallel/context/hf.py``), as the unpipelined model call does.
 * ``use_cache`` (on by default): a ``DynamicCache`` built during training is never read (no
   earlier tokens), and it would leave the last stage as an output; every ``config.use_cache``
   under the module is off while tracing, and a ``use_cache=`` keyword is dropped, which changes
@@ -36,6 +38,8 @@ from typing import Any
 from torch import Tensor, nn
 
 from lightning_parallel.compat import TreeSpec, tree_flatten, tree_unflatten
+from lightning_parallel.parallel.context.hf import shift_labels_globally
+from lightning_parallel.parallel.context.step import active_step
 from lightning_parallel.parallel.errors import config_error
 
 LOSS_KWARGS = ("labels", "num_items_in_batch", "shift_labels")  # consumed by HF's loss_function, not the trace
@@ -149,7 +153,12 @@ def rebuilt_output(root: nn.Module, entry: Entry, out: Any) -> Callable[..., Any
             logits = result["logits"] if isinstance(result, dict) else getattr(result, "logits", None)
             if not isinstance(logits, Tensor):
                 raise config_error(ValueError, f"self.{entry.name}", type(result).__name__, "its output has no `logits` to compute the loss from", "return logits")
-            result["loss"] = sub.loss_function(logits=logits, vocab_size=sub.config.vocab_size, **loss_kwargs)
+            step = active_step()
+            if step is not None and isinstance(loss_kwargs.get("labels"), Tensor):  # context parallelism: see hf.py
+                loss_kwargs = shift_labels_globally(sub, step, dict(loss_kwargs))
+                result["loss"] = step.global_value(sub.loss_function(logits=logits, vocab_size=sub.config.vocab_size, **loss_kwargs))
+            else:
+                result["loss"] = sub.loss_function(logits=logits, vocab_size=sub.config.vocab_size, **loss_kwargs)
         return result
 
     return forward

@@ -100,8 +100,8 @@ INCOMPATIBLE: list[tuple[str, dict[str, Any], int | None, type[Exception], str]]
     ("fsdp_units sublayer with zero 0", {"fsdp_units": "sublayer"}, None, ValueError, "fsdp_units"),
     ("fsdp_units sublayer with pp", {"fsdp_units": "sublayer", "zero_stage": 3, "pipeline_parallel_size": 2},
      None, ValueError, "fsdp_units"),
-    ("cp with pp and tp", {"context_parallel_size": 2, "pipeline_parallel_size": 2, "tensor_parallel_size": 2}, None,
-     ValueError, "context_parallel_size=2 with pipeline_parallel_size=2 and tensor_parallel_size"),
+    ("cp with pp and ep", {"context_parallel_size": 2, "pipeline_parallel_size": 2, "expert_parallel_size": 2}, None,
+     ValueError, "context_parallel_size=2 with pipeline_parallel_size=2 and expert_parallel_size"),
     ("cp with compile_blocks", {"context_parallel_size": 2, "compile_blocks": True}, None, ValueError,
      "context_parallel_size=2 with compile_blocks"),
 ]

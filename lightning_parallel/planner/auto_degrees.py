@@ -22,8 +22,8 @@ Context parallelism: with an int ``context_parallel_size`` the strategy asks for
 rank holds ``1/cp`` of every sequence, gradients over ``dp x cp``), so the choice sees the memory cp
 saves. With ``context_parallel_size="auto"`` the planner chooses cp too, searching it only where no
 layout without it fits at the nominal batch (the model's longest sequence): ``3d`` turns to context
-parallelism for long sequences, not by default. The strategy's own check refuses cp with pipeline
-parallelism (``strategies/auto_layout.py``, ``engine_check``).
+parallelism for long sequences, not by default. The strategy's own check refuses what cp does not
+compose with (expert parallelism inside pipeline stages; ``strategies/auto_layout.py``).
 """
 
 from __future__ import annotations

@@ -94,6 +94,11 @@ class _Recorder:
                     "fsdp_units": sum(1 for m in pl_module.modules() if isinstance(m, FSDPModule)),
                 }
 
+            def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+                # pipelines build (and split) their stages at the first batch: what a rank holds after training
+                self.layout["local_param_numel_end"] = sum((p.to_local() if isinstance(p, DTensor) else p).numel()
+                                                           for p in pl_module.parameters())
+
             def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
                 value = trainer.callback_metrics.get("train_loss")
                 if value is not None:

@@ -57,10 +57,11 @@ def _assert_cp_parity(label: str, ranks: list[dict[str, Any]], spec: FitSpec, re
     assert all("error" not in r for r in ranks), f"{label}: {ranks[0].get('trace')}"
     dims = ranks[0]["layout"]["dims"]
     assert f"cp={spec.strategy['context_parallel_size']}" in dims, (label, dims)  # the sequence really was split
-    if spec.strategy.get("tensor_parallel_size", 1) > 1:  # and tp really split the layers beside it
-        total = sum(p.numel() for p in ranks[0]["params"].values())
-        held = max(r["layout"]["local_param_numel_end"] for r in ranks) / total  # pipelines split at the first batch
-        assert held < (0.6 if spec.strategy.get("pipeline_parallel_size", 1) == 1 else 0.35), (label, dims, held)
+    total = sum(p.numel() for p in ranks[0]["params"].values())
+    held = max(r["layout"]["local_param_numel_end"] for r in ranks) / total  # pipelines split at the first batch
+    pp, tp = (spec.strategy.get(f"{axis}_parallel_size", 1) for axis in ("pipeline", "tensor"))
+    if pp > 1 or tp > 1:  # and the stages / tp really split the layers beside it
+        assert held < (0.35 if pp > 1 and tp > 1 else 0.6), (label, dims, held)
     reference = reference or _reference(dataclasses.replace(spec, strategy="auto", devices=1))
     assert max(reference["grad_norms"]) > spec.trainer_kwargs["gradient_clip_val"], label  # clipping is active
     # labels=: every rank logs the whole sequence's loss; a loss on the logits covers the rank's chunks (equal
@@ -113,6 +114,8 @@ PP_CP_CASES: list[tuple[str, FitSpec, bool]] = [
     ("pp2xcp2 qwen2 logits ring (forward is the entry)", _cp(_hf("qwen2"), "ring", 4, pipeline_parallel_size=2), False),
     ("pp2xcp2 gpt2 labels ulysses, validate", _cp(dataclasses.replace(_hf("gpt2", "labels"), validate=True), "ulysses", 4,
                                                   pipeline_parallel_size=2), False),
+    ("pp2xcp2xep2 qwen2_moe labels allgather (experts opaque in the stages, drawn from the cp pair)",
+     _cp(_hf("qwen2_moe", "labels"), "allgather", 4, pipeline_parallel_size=2, expert_parallel_size=2), False),
     ("pp2xcp2 mistral sliding window labels padding ring", _cp(_mistral("labels", padding=True), "ring", 4,
                                                                pipeline_parallel_size=2), True),
 ]
@@ -138,12 +141,15 @@ PP_CP_8_CASES: list[tuple[str, FitSpec, bool]] = [
                                                       pipeline_parallel_size=2, tensor_parallel_size=2), True),
     ("dp2xpp2xcp2 zero1 gpt2 labels ring", _cp(_hf("gpt2", "labels"), "ring", 8, pipeline_parallel_size=2,
                                                data_parallel_size=2, zero_stage=1), False),
+    ("dp2xpp2xcp2xep2 mixtral logits ring", _cp(_hf("mixtral"), "ring", 8, pipeline_parallel_size=2, data_parallel_size=2,
+                                                expert_parallel_size=2), False),
 ]
 
 
-def test_hf_models_tp_pp_cp_and_dp_pp_cp_match_single_process() -> None:
+def test_hf_models_tp_pp_cp_dp_pp_cp_ep_match_single_process() -> None:
     """Eight ranks: tp2 x pp2 x cp2 (the traced attention op runs on each tp rank's heads inside the stage
-    graph) and dp2 x pp2 x cp2 with ZeRO-1 (FSDP2 per stage over dp x cp)."""
+    graph), dp2 x pp2 x cp2 with ZeRO-1 (FSDP2 per stage over dp x cp) and dp2 x pp2 x cp2 x ep2 (experts
+    drawn from the dp x cp ranks of each stage)."""
     from tests.test_hf_pp import _per_step, _single_process
 
     results = run_distributed(fits_or_errors, 8, [spec for _, spec, _ in PP_CP_8_CASES], init_backend=None, timeout=900)

@@ -147,7 +147,7 @@ def test_dry_run_search_lists_cp(capsys: pytest.CaptureFixture[str]) -> None:
 def test_3d_prices_the_users_cp_and_keeps_the_strategys_refusals() -> None:
     """'3d' with context_parallel_size=2 on 8 processes: degrees for the 4 ranks per cp rank, priced on all
     8 with cp2 fixed. Pipelines compose with cp (stages run it as a traced op), so layouts with pp are
-    candidates (the strategy's refusal of ep inside pipelined cp stages is tests/test_bad_input.py's)."""
+    candidates."""
     from lightning_parallel.strategies.hybrid import HybridParallelStrategy
     from lightning_parallel.strategies.preflight import preflight
 

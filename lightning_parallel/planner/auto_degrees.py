@@ -23,7 +23,7 @@ rank holds ``1/cp`` of every sequence, gradients over ``dp x cp``), so the choic
 saves. With ``context_parallel_size="auto"`` the planner chooses cp too, searching it only where no
 layout without it fits at the nominal batch (the model's longest sequence): ``3d`` turns to context
 parallelism for long sequences, not by default. The strategy's own check refuses what cp does not
-compose with (expert parallelism inside pipeline stages; ``strategies/auto_layout.py``).
+compose with (``compile_blocks``; ``strategies/auto_layout.py``).
 """
 
 from __future__ import annotations

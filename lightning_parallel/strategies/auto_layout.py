@@ -65,7 +65,7 @@ def engine_check(strategy: Any, module: nn.Module) -> Any:
             )
             check_compile_layout(getattr(strategy, "_compile_kwargs", None), layout.pp, layout.tp)  # compiled blocks
             cp = layout.cp if layout.cp > 1 else strategy._degrees.get("context_parallel_size", 1)
-            if isinstance(cp, int) and cp > 1:  # the planner prices cp; the strategy refuses ep inside pipelined cp stages
+            if isinstance(cp, int) and cp > 1:  # the planner prices cp; the strategy's own cp refusals (compile_blocks)
                 check_context_layout(ParallelDims(world_size=layout.dp * layout.tp * layout.pp * cp, dp_replicate=layout.dp,
                                                   tp=layout.tp, pp=layout.pp, ep=layout.ep, cp=cp), bool(strategy.compile_blocks))
             if layout.tp > 1:  # a tp degree whose plan splits too little would be refused (split_share.py)

@@ -37,13 +37,6 @@ def check_context_combination(cp: int, pp: int, compile_blocks: bool, tp: int = 
     ``__init__`` for int degrees, again once "auto" degrees are resolved)."""
     if cp == 1:
         return
-    if pp > 1 and ep > 1:
-        raise config_error(
-            ValueError, f"context_parallel_size={cp} with pipeline_parallel_size={pp} and expert_parallel_size", ep,
-            "pipeline stages run context-parallel attention as a traced op (beside dp and tp), but their experts are"
-            " not yet drawn from the dp x cp ranks as they are without pipelines",
-            "set expert_parallel_size=1 with pipelines, or pipeline_parallel_size=1 (cp composes with ep without pipelines)",
-        )
     if compile_blocks:
         raise config_error(
             ValueError, f"context_parallel_size={cp} with compile_blocks", compile_blocks,

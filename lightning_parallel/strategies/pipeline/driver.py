@@ -48,7 +48,7 @@ from torch import Tensor, nn
 from lightning_parallel.compat_lightning import attached_trainer, unwrap_optimizer
 from lightning_parallel.nn.moe import MoEStats, moe_stats_log, set_moe_loss_coefs, set_moe_stats_group
 from lightning_parallel.parallel.allocator import release_host_memory
-from lightning_parallel.parallel.dims import DP, EP, PP, TP
+from lightning_parallel.parallel.dims import EP, PP, TP
 from lightning_parallel.parallel.errors import config_error
 from lightning_parallel.parallel.blocks import find_repeated_blocks
 from lightning_parallel.parallel.pipeline.runtime import PipelineRuntime, build_pipeline
@@ -219,7 +219,8 @@ class PipelineDriver(PipelineStateMixin):
         experts: list[nn.Parameter] = []
         if self.dims.ep > 1:  # -> expert parallel: split the experts this rank's stages kept (still meta for a meta model)
             mapping = apply_stage_expert_parallel(
-                self.module, self._runtime.stage_modules(), self._runtime.owned_parameter_names(), self.dims.axis(EP), self.dims.axis(DP)
+                self.module, self._runtime.stage_modules(), self._runtime.owned_parameter_names(), self.dims.axis(EP),
+                self.dims.axis(self.dims.grad_axis),  # the ranks holding different tokens: dp (x cp), as without pipelines
             )
             swap_optimizer_parameters(self._optimizers(), mapping)
             experts = list(mapping.values())

@@ -26,7 +26,8 @@ duck typing (``transformers``: ``_tp_plan``, ``_pp_plan``, ``_gradient_checkpoin
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,6 +69,18 @@ from torch._subclasses.fake_tensor import FakeTensor
 # torch.distributed.nn's all_gather, the public one, is deprecated and gave wrong key/value
 # gradients on gloo here, torch 2.13). Since: 2.4. Public: none yet.
 from torch.distributed import _functional_collectives as functional_collectives
+
+# --- torch's context-parallel ring attention ----------------------------------------------
+# Why: on CUDA, context parallelism runs torch's own ring attention (fused flash kernels per block,
+# merged by log-sum-exp) where its one mask applies: causal over head-tail chunks, this package's
+# layout (parallel/context/torch_ring.py). Since: 2.12 here (the package's lower bound; the module
+# moved to _context_parallel in a recent release, older wheels not checked). Public:
+# torch.distributed.tensor.experimental.context_parallel, a context manager that shards whole
+# buffers and patches SDPA, so it cannot take this package's chunks, padding or windows.
+from torch.distributed.tensor.experimental._context_parallel._attention import (
+    _templated_ring_attention as templated_ring_attention,
+    _templated_ring_attention_backward as templated_ring_attention_backward,
+)
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 # --- DTensor internals ----------------------------------------------------------------------
@@ -124,6 +137,41 @@ def assert_tensor_metadata_op() -> Any:
     native_functions). Public: none (an aten-internal op).
     """
     return torch.ops.aten._assert_tensor_metadata.default
+
+
+def flash_attention_ops(device_type: str) -> tuple[Any, Any]:
+    """The device's flash-attention kernel and its backward, both returning what a log-sum-exp merge
+    needs: ``aten._scaled_dot_product_flash_attention_for_cpu`` (fp32/fp64/bf16 on the CPU) or
+    ``aten._scaled_dot_product_flash_attention`` (CUDA, fp16/bf16).
+
+    Why: context-parallel attention runs blocks of the sequence through the fused kernel and merges
+    them by their log-sum-exp, which the public SDPA does not return. Since: 2.4 (ops in
+    native_functions). Public: none (aten-internal ops behind F.scaled_dot_product_attention).
+    """
+    aten = torch.ops.aten
+    if device_type == "cpu":
+        return aten._scaled_dot_product_flash_attention_for_cpu, aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+    return aten._scaled_dot_product_flash_attention, aten._scaled_dot_product_flash_attention_backward.default
+
+
+@contextmanager
+def torch_ring_rotation(method: str) -> Iterator[None]:
+    """torch's ring-attention engine with key/value rotation ``method`` ("ALL_GATHER" or "ALL_TO_ALL")
+    and head-tail load balancing, for the calls inside the block; the module-level options restored after.
+
+    Why: :func:`templated_ring_attention` reads both from ``_cp_options``, a module global (its public
+    setter, ``set_rotate_method``, changes it for the whole process). Since: 2.12 here (see above).
+    Public: ``torch.distributed.tensor.experimental._context_parallel.set_rotate_method`` (global).
+    """
+    from torch.distributed.tensor.experimental._context_parallel import _attention
+
+    options = _attention._cp_options
+    previous = options.rotate_method, options.enable_load_balance
+    options.rotate_method, options.enable_load_balance = _attention._RotateMethod[method], True
+    try:
+        yield
+    finally:
+        options.rotate_method, options.enable_load_balance = previous
 
 
 def foreach_norm(tensors: Sequence[Tensor], ord: float = 2.0, dtype: torch.dtype | None = None) -> list[Tensor]:
@@ -364,6 +412,13 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
     PrivateApi("schedule_stages", "torch.distributed.pipelining.schedules:PipelineScheduleSingle", "2.4", "none yet"),
     PrivateApi("local_tensor", "torch.distributed.tensor:DTensor._local_tensor", "2.5", "DTensor.to_local()"),
     PrivateApi("functional_collectives", "torch.distributed._functional_collectives:all_reduce", "2.4", "none yet"),
+    PrivateApi("templated_ring_attention", "torch.distributed.tensor.experimental._context_parallel._attention:"
+               "_templated_ring_attention", "2.12", "torch.distributed.tensor.experimental.context_parallel"),
+    PrivateApi("templated_ring_attention_backward", "torch.distributed.tensor.experimental._context_parallel._attention:"
+               "_templated_ring_attention_backward", "2.12", "torch.distributed.tensor.experimental.context_parallel"),
+    PrivateApi("torch_ring_rotation", "torch.distributed.tensor.experimental._context_parallel._attention:_cp_options",
+               "2.12", "set_rotate_method (process-wide)"),
+    PrivateApi("flash_attention_ops", "torch:ops.aten._scaled_dot_product_flash_attention_for_cpu_backward", "2.4", "none"),
     PrivateApi("multihead_attention_init", "torch.nn:MultiheadAttention._reset_parameters", "2.4", "none yet"),
     PrivateApi("parse_to", "torch:_C._nn._parse_to", "2.4", "none"),
     PrivateApi("process_group_device", "torch.distributed.distributed_c10d:_get_pg_default_device", "2.4", "none yet"),
@@ -390,9 +445,9 @@ __all__ = [
     "DeviceContext", "FakeTensor", "FsdpReduceScatter", "GraphPipelineStage", "PipelineAction", "PipelineComputationType",
     "PipelineScheduleRuntime", "PrivateApi", "StridedShard", "TreeSpec", "assert_tensor_metadata_op",
     "checkpoint_module", "compute_local_shape_and_global_offset", "ddp_ignore", "device_constructors",
-    "flatten_mesh", "foreach_norm", "functional_collectives", "global_module_hooks", "litdata_env_class",
+    "flash_attention_ops", "flatten_mesh", "foreach_norm", "functional_collectives", "global_module_hooks", "litdata_env_class",
     "litdata_wrapped_datasets", "local_tensor", "modify_graph_op_device", "module_has_hooks",
     "multihead_attention_init", "parse_to", "parse_to_device", "process_group_device",
     "resolve_process_group", "run_generated_code", "set_fsdp_unshard_async",
-    "schedule_stages", "tree_flatten", "tree_leaves", "tree_map", "tree_unflatten", "unflatten_mesh",
+    "schedule_stages", "templated_ring_attention", "templated_ring_attention_backward", "torch_ring_rotation", "tree_flatten", "tree_leaves", "tree_map", "tree_unflatten", "unflatten_mesh",
 ]

@@ -52,6 +52,49 @@ def test_attention_forms_on_one_gpu() -> None:
     run_distributed(_forms_on_one_gpu, 1, init_backend="nccl", timeout=300)
 
 
+def _torch_engine_on_gpus() -> dict[str, float]:
+    """A causal bf16 step without padding goes to torch's own engine (parallel/context/torch_ring.py),
+    forward and backward, against SDPA over the whole sequence."""
+    from lightning_parallel.parallel.context import torch_ring
+    from lightning_parallel.parallel.context.step import ContextStep
+
+    rank, cp = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(rank)
+    calls = [0]
+    engine = torch_ring._TorchRing.apply
+
+    def counted(*args: object) -> torch.Tensor:
+        calls[0] += 1
+        return engine(*args)
+
+    torch_ring._TorchRing.apply = counted  # type: ignore[method-assign]
+    errors = {}
+    layout = ChunkLayout(128, cp, rank)
+    for form in ("allgather", "ring"):
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v, grad = (torch.randn(2, h, 128, 64, device="cuda", generator=gen, dtype=torch.bfloat16) for h in (8, 2, 2, 8))
+        full = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = F.scaled_dot_product_attention(full[0], full[1], full[2], is_causal=True, enable_gqa=True)
+        out.backward(grad)
+        local = [layout.split(t, 2).requires_grad_() for t in (q, k, v)]
+        step = ContextStep(layout=layout, group=dist.group.WORLD, form=form)
+        mine = step.attention(*local, causal=True, window=None, scale=64 ** -0.5)
+        mine.backward(layout.split(grad, 2))
+        for name, a, b in zip(("out", "dq", "dk", "dv"), (mine, *(t.grad for t in local)),
+                              (out, *(t.grad for t in full))):
+            b = layout.split(b, 2)
+            errors[f"{form} {name}"] = float((a.float() - b.float()).abs().max() / b.float().abs().max())
+    assert calls[0] == 2, calls
+    return errors
+
+
+@pytest.mark.skipif(GPUS < 1, reason="needs a CUDA device")
+def test_torch_engine_takes_causal_half_precision_steps() -> None:
+    world = min(GPUS, 2)
+    for result in run_distributed(_torch_engine_on_gpus, world, init_backend="nccl", timeout=300):
+        assert all(error < 3e-2 for error in result.values()), result
+
+
 @pytest.mark.skipif(GPUS < 2, reason="needs 2 CUDA devices")
 def test_cp2_on_nccl_matches_one_gpu() -> None:
     cases = [(label, dataclasses.replace(_cp(spec, form), trainer_kwargs={**spec.trainer_kwargs, **CUDA}))

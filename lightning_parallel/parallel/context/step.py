@@ -17,6 +17,7 @@ from torch import Tensor
 
 from lightning_parallel.parallel.context.attention import context_attention
 from lightning_parallel.parallel.context.chunks import ChunkLayout
+from lightning_parallel.parallel.context.torch_ring import torch_ring_applies, torch_ring_attention
 
 
 @dataclass
@@ -48,8 +49,17 @@ class ContextStep:
         mean = self.all_reduce_sum(loss) / self.layout.cp
         return loss + (mean - loss.detach())
 
-    def attention(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, window: int | None, scale: float) -> Tensor:
-        return context_attention(self.form, q, k, v, self.layout, self.group, key_valid=self.key_valid,
+    def attention(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, window: int | None, scale: float,
+                  key_valid: Tensor | None = None) -> Tensor:
+        """The layer's attention over the whole sequence: torch's own engine where its causal-only mask
+        and CUDA flash kernel apply (``torch_ring.py``), this package's forms otherwise. ``key_valid``:
+        the padding, default this step's (a pipeline stage passes each microbatch's own)."""
+        key_valid = self.key_valid if key_valid is None else key_valid
+        if key_valid is not None and torch_ring_applies(self.form, q, None, causal, window) and bool(key_valid.all()):
+            key_valid = None  # a padding mask without padding (a tokenizer's all-ones mask) masks nothing
+        if torch_ring_applies(self.form, q, key_valid, causal, window):
+            return torch_ring_attention(self.form, q, k, v, self.group, scale)
+        return context_attention(self.form, q, k, v, self.layout, self.group, key_valid=key_valid,
                                  causal=causal, window=window, scale=scale)
 
 

@@ -15,8 +15,9 @@ What is read at run time, not fixed at trace time:
 * **Padding.** ``key_mask`` is the microbatch's own 2-D padding mask, this rank's chunks (the
   mask builder paired with the routed attention hands it over instead of a 4-D mask); the kernel
   gathers it over the cp group, so every microbatch's keys are masked by its own rows.
-* **The chunk layout and the group** come from the active step; the stage graph itself is the
-  same on every cp rank but the positions it was traced with (``position_ids``, a graph input).
+* **The chunk layout, the group and the form** come from the active step (``ContextStep.attention``);
+  the stage graph itself is the same on every cp rank but the positions it was traced with
+  (``position_ids``, a graph input).
 
 Causality, the sliding window and the scale are the layer's own constants, fixed in the trace.
 """
@@ -29,7 +30,6 @@ import torch
 from torch import Tensor
 
 from lightning_parallel.compat import FakeTensor
-from lightning_parallel.parallel.context.attention import context_attention
 from lightning_parallel.parallel.context.step import active_step
 
 _LIB = torch.library.Library("lightning_parallel_cp", "DEF")
@@ -47,9 +47,10 @@ def _run(q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor | None, causal: bool,
     step = active_step()
     if step is None:
         raise RuntimeError("a traced context-parallel attention ran outside a context-parallel step (the strategy activates one per step)")
-    key_valid = None if key_mask is None else step.gather(key_mask.to(torch.int32)).bool()
-    return context_attention(step.form, q, k, v, step.layout, step.group, key_valid=key_valid,
-                             causal=causal, window=window, scale=scale)
+    if key_mask is None:
+        return step.attention(q, k, v, causal=causal, window=window, scale=scale)
+    key_valid = step.gather(key_mask.to(torch.int32)).bool()
+    return step.attention(q, k, v, causal=causal, window=window, scale=scale, key_valid=key_valid)
 
 
 def _shape_rule(q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor | None, causal: bool, window: int | None, scale: float) -> Tensor:

@@ -2,7 +2,10 @@
 
 Each rank holds its head-tail chunks of q, k, v; the output rows and the gradients of q, k, v
 must equal the matching rows of ``F.scaled_dot_product_attention`` over the whole sequence,
-for both forms, grouped-query heads, left padding, a sliding window and no mask at all.
+for every form, grouped-query heads, left padding, a sliding window and no mask at all. The
+all-gather form runs its chunk pairs through torch's CPU flash kernel and, with
+``pairs.CPU_FLASH = False``, through the block math other devices use: both are checked, in
+float64 and (the kernel's fp32 path, against the float64 reference) in float32.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from lightning_parallel.parallel.context import attention
+from lightning_parallel.parallel.context import attention, pairs
 from lightning_parallel.parallel.context.attention import context_attention, visibility
 from lightning_parallel.parallel.context.chunks import ChunkLayout
 from lightning_parallel.testing import run_distributed
@@ -50,11 +53,14 @@ def _reference(q, k, v, valid, grad, causal, window, padding):
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def _check_all(seq: int, tile_elements: int | None = None) -> list[tuple[str, str, float]]:
-    """Every case and form on this group; returns (case, form, worst relative error). ``tile_elements``:
-    the ring's query tiles made small, so a block is computed in several tiles."""
+def _check_all(seq: int, tile_elements: int | None = None, flash: bool = True,
+               dtype: torch.dtype = torch.float64) -> list[tuple[str, str, float]]:
+    """Every case and form on this group; returns (case, form, worst relative error against the
+    float64 reference). ``tile_elements``: the ring's (and the block math's) query tiles made small,
+    so a block is computed in several tiles; ``flash``: the all-gather pairs on the CPU flash kernel."""
     if tile_elements is not None:
         attention.TILE_ELEMENTS = tile_elements
+    pairs.CPU_FLASH = flash
     group, rank, cp = dist.group.WORLD, dist.get_rank(), dist.get_world_size()
     layout = ChunkLayout(seq, cp, rank)
     results = []
@@ -62,23 +68,31 @@ def _check_all(seq: int, tile_elements: int | None = None) -> list[tuple[str, st
         q, k, v, valid, grad = _inputs(seq, kv_heads, padding)
         ref = _reference(q, k, v, valid, grad, causal, window, padding)
         for form in ("allgather", "ring", "ulysses"):
-            lq, lk, lv = (layout.split(t, 2).clone().requires_grad_() for t in (q, k, v))
+            lq, lk, lv = (layout.split(t, 2).to(dtype).requires_grad_() for t in (q, k, v))
             out = context_attention(form, lq, lk, lv, layout, group, key_valid=valid if padding else None,
                                     causal=causal, window=window, scale=8 ** -0.5)
-            out.backward(layout.split(grad, 2))
+            out.backward(layout.split(grad, 2).to(dtype))
             got = (out.detach(), lq.grad, lk.grad, lv.grad)
             worst = 0.0
             for mine, full in zip(got, ref):
                 full = layout.split(full, 2)
-                worst = max(worst, float((mine - full).abs().max() / full.abs().max().clamp_min(1e-12)))
+                worst = max(worst, float((mine.double() - full).abs().max() / full.abs().max().clamp_min(1e-12)))
             results.append((label, form, worst))
     return results
 
 
-@pytest.mark.parametrize("cp,tile_elements", [(2, None), (2, 200), (4, None)])
-def test_context_attention_matches_full_attention(cp: int, tile_elements: int | None) -> None:
-    for label, form, worst in run_distributed(_check_all, cp, 24, tile_elements)[0]:
-        assert worst < 1e-10, f"{label} / {form} at cp{cp} (tiles of {tile_elements} scores): relative error {worst:.2e}"
+@pytest.mark.parametrize("cp,tile_elements,flash", [(2, None, True), (2, 200, False), (4, None, True), (4, None, False)])
+def test_context_attention_matches_full_attention(cp: int, tile_elements: int | None, flash: bool) -> None:
+    for label, form, worst in run_distributed(_check_all, cp, 24, tile_elements, flash)[0]:
+        assert worst < 1e-10, (f"{label} / {form} at cp{cp} (tiles of {tile_elements} scores, flash pairs {flash}): "
+                               f"relative error {worst:.2e}")
+
+
+def test_context_attention_float32_matches_float64_reference() -> None:
+    """The CPU flash kernel's fp32 path (what training runs) for the all-gather pairs, outputs and
+    q/k/v gradients, against full attention in float64."""
+    for label, form, worst in run_distributed(_check_all, 2, 24, None, True, torch.float32)[0]:
+        assert worst < 1e-5, f"{label} / {form} in float32 at cp2: relative error {worst:.2e}"
 
 
 def test_chunk_layout_is_head_tail_balanced() -> None:

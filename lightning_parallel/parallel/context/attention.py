@@ -4,10 +4,11 @@ Queries stay local; every query needs the keys and values of every position it m
 forms, chosen by ``context_parallel_attention``:
 
 * ``"allgather"`` (Llama 3's form, Grattafiori et al. 2024, section 3.3.2): all-gather the keys
-  and values of the group, then one ordinary attention of the local queries over the whole
-  sequence. One collective per layer, simple, exact; the gathered keys and values (``cp`` times
-  the local ones) are what it costs in memory. Llama 3 chose it because keys and values are
-  small under GQA and it handles any mask.
+  and values of the group, then attention of the local queries over the whole sequence, run one
+  (query chunk, key chunk) pair at a time and merged by log-sum-exp (``pairs.py``), so no
+  sequence-sized mask is built. One collective per layer, exact; the gathered keys and values
+  (``cp`` times the local ones) are what it costs in memory. Llama 3 chose it because keys and
+  values are small under GQA and it handles any mask.
 * ``"ring"`` (ring attention, Liu et al. 2023): keys and values travel around the group, one
   neighbour step at a time, while each rank attends to the block it holds; partial results are
   merged by their log-sum-exp (online softmax). Only two blocks live at once, the backward
@@ -32,7 +33,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_parallel.compat import functional_collectives
@@ -66,13 +66,13 @@ def _repeat_heads(t: Tensor, heads: int) -> Tensor:
 def allgather_attention(q: Tensor, k: Tensor, v: Tensor, layout: ChunkLayout, group: dist.ProcessGroup, *,
                         key_valid: Tensor | None, causal: bool, window: int | None, scale: float) -> Tensor:
     """Local queries over the all-gathered keys and values (autograd: the backward reduce-scatters
-    their gradients home)."""
+    their gradients home), one chunk pair at a time so no ``S/cp x S`` mask exists (``pairs.py``)."""
+    from lightning_parallel.parallel.context.pairs import pair_attention  # pairs.py reuses this file's block math
+
     kv = functional_collectives.all_gather_single_autograd(torch.stack([k, v]).contiguous(), 3, group)
     keys, values = kv.unbind(0)
-    k_pos = layout.all_positions(q.device).flatten()
-    mask = visibility(layout.positions(device=q.device), k_pos, key_valid, causal, window)
     # grouped-query heads read the gathered key/value heads in place (no repeated copies kept for backward)
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=keys.size(1) != q.size(1))
+    return pair_attention(q, keys, values, layout, key_valid=key_valid, causal=causal, window=window, scale=scale)
 
 
 def _acc(t: Tensor) -> Tensor:

@@ -14,6 +14,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from torch.utils.data import TensorDataset
 
@@ -216,3 +217,15 @@ def test_refusals_are_typed_errors() -> None:
         for (label, _, needle), result in zip(cases, rank):
             assert result.get("error") == "ValueError", (label, result)
             assert needle in result["message"] and "HINT" in result["message"], (label, result["message"])
+
+
+def test_predict_under_pp_x_cp_is_a_typed_error() -> None:
+    """Prediction runs whole sequences on every cp rank; stages traced for chunks cannot take them."""
+    from lightning_parallel.parallel.dims import ParallelDims
+    from lightning_parallel.strategies.context import check_predict
+
+    check_predict(ParallelDims(world_size=2, cp=2))  # cp alone: whole sequences, no stages
+    check_predict(ParallelDims(world_size=2, pp=2))
+    with pytest.raises(ValueError, match="predict_step.*traced") as error:
+        check_predict(ParallelDims(world_size=4, pp=2, cp=2))
+    assert "HINT" in str(error.value)

@@ -15,11 +15,25 @@ from lightning_parallel.parallel.context.batch import split_batch
 from lightning_parallel.parallel.context.options import check_context_combination
 from lightning_parallel.parallel.context.step import ContextStep, activate, active_step, deactivate
 from lightning_parallel.parallel.dims import CP, ParallelDims
+from lightning_parallel.parallel.errors import config_error
 
 
 def check_context_layout(dims: ParallelDims, compile_blocks: bool) -> None:
     """The resolved degrees' combinations context parallelism refuses (``parallel/context/options.py``)."""
     check_context_combination(dims.cp, dims.pp, compile_blocks, dims.tp, dims.ep)
+
+
+def check_predict(dims: ParallelDims) -> None:
+    """``predict_step`` runs whole sequences on every cp rank (its output is the user's, with no sequence
+    dim to gather along); pipeline stages are traced for this rank's chunks, so under pp x cp it cannot."""
+    if dims.cp > 1 and dims.pp > 1:
+        raise config_error(
+            ValueError, "predict_step", f"pipeline_parallel_size={dims.pp} x context_parallel_size={dims.cp}",
+            "prediction runs whole sequences on every context-parallel rank, and the pipeline stages were traced"
+            " for each rank's chunks of the sequence",
+            "predict with a layout without pipelines or without context parallelism (e.g. load the checkpoint under"
+            " strategy='cp' or 'pp')",
+        )
 
 
 def begin_step(dims: ParallelDims, form: str, batch_dims: dict[str, Any] | None, args: tuple) -> tuple:

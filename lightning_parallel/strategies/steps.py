@@ -126,6 +126,7 @@ class StepHooksMixin:
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         context.end_step()  # predictions run whole sequences on every context-parallel rank
+        context.check_predict(self.parallel_dims)
         return self._engine.eval_step("predict_step", *args, **kwargs)
 
     @contextlib.contextmanager

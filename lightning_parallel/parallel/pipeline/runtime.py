@@ -54,7 +54,7 @@ from lightning_parallel.parallel.pipeline.schedules import (
     check_microbatches,
     first_batched,
 )
-from lightning_parallel.parallel.pipeline.trace import TracedPipeline, trace_pipeline
+from lightning_parallel.parallel.pipeline.trace import TracedPipeline, stage_interface, trace_pipeline
 
 LossFn = Callable[[Any, Any], Tensor]
 
@@ -295,7 +295,8 @@ def build_pipeline(
     ``example_args``/``example_kwargs`` are one full batch of forward inputs (every later batch
     must have the same shapes). ``loss_fn(output, target)`` runs on the last stage per
     microbatch, ``output`` being what the model's forward returns for that microbatch.
-    Collective-free until the schedules first run, and every check happens before that.
+    Every check happens before any collective; the one collective before the schedules run (when it
+    traces here) compares the cut every rank traced.
     """
     pg = _pp_group(group)
     if dist.get_world_size(pg) != plan.pp_size:
@@ -307,17 +308,29 @@ def build_pipeline(
         raise config_error(
             ValueError, "virtual_stages", plan.virtual_stages, f"a {plan.style} plan does not fit schedule {schedule.name!r} ({schedule.style})", "plan with style=schedule.style and its virtual stages"
         )
+    local = plan.stages_for_rank(dist.get_rank(pg))
     if traced is None:
         if example_args is None:
             raise config_error(TypeError, "example_args", None, "tracing needs one example batch of forward inputs", "pass example_args (or a TracedPipeline as traced=)")
+        # Only this rank's stages are traced node by node (the others' blocks as opaque calls:
+        # parallel/pipeline/foreign.py). Every rank must see the same cut, or their sends and receives
+        # would not pair: if any rank's opaque calls changed what crosses a cut, all trace whole.
         traced = trace_pipeline(module, example_args, example_kwargs, plan=plan, microbatches=microbatches, build_eval=build_eval,
-                                checkpoint_blocks=checkpoint_blocks)
+                                checkpoint_blocks=checkpoint_blocks, local_stages=local)
+        cut = [stage_interface(p) for p in (traced.train, traced.eval) if p is not None]
+        cuts: list[Any] = [None] * dist.get_world_size(pg)
+        dist.all_gather_object(cuts, cut, group=pg)
+        if any(c != cut for c in cuts):
+            traced = trace_pipeline(module, example_args, example_kwargs, plan=plan, microbatches=microbatches, build_eval=build_eval,
+                                    checkpoint_blocks=checkpoint_blocks)
     elif traced.plan.split_points != plan.split_points:
         raise config_error(ValueError, "traced", list(traced.plan.split_points), f"it was cut at other split points than the plan ({list(plan.split_points)})", "trace with this plan")
+    elif not traced.traces_whole(local):
+        raise config_error(ValueError, "traced", sorted(traced.local_stages or ()), f"it traced stages {sorted(traced.local_stages or ())} whole, and this rank builds {local}",
+                           "trace with local_stages=plan.stages_for_rank(rank) of this plan (or None)")
     if build_eval and traced.eval is None:
         raise config_error(ValueError, "build_eval", True, "the given trace has no evaluation pipe", "trace with build_eval=True")
     dev = torch.device(device) if device is not None else next(module.parameters()).device
-    local = plan.stages_for_rank(dist.get_rank(pg))
     holders: dict[str, set[int]] = {}
     for k, names in enumerate(traced.holders_by_stage):
         for name in names:

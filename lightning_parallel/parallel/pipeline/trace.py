@@ -22,15 +22,18 @@ from torch import fx, nn
 from torch.distributed.pipelining import Pipe, pipe_split, pipeline
 
 from lightning_parallel.compat import run_generated_code, tree_leaves
+from lightning_parallel.parallel.blocks import find_repeated_blocks
 from lightning_parallel.parallel.errors import config_error
+from lightning_parallel.parallel.pipeline.foreign import ForeignTrace, foreign_blocks, foreign_calls
 from lightning_parallel.parallel.pipeline.moe import hold_unit_tensors, opaque_forwards
 from lightning_parallel.parallel.pipeline.plan import PipelinePlan, _compact
 from lightning_parallel.parallel.pipeline.schedules import batch_size_of, microbatch_example
 
 
 @contextmanager
-def _split_markers(module: nn.Module, names: Sequence[str]) -> Iterator[None]:
-    """Make each named submodule call ``pipe_split()`` first; restore its ``forward`` on exit."""
+def _split_markers(module: nn.Module, names: Sequence[str], foreign: ForeignTrace | None = None) -> Iterator[None]:
+    """Make each named submodule call ``pipe_split()`` first (and tell ``foreign`` that the next
+    stage begins); restore its ``forward`` on exit."""
     patched: list[tuple[nn.Module, Any]] = []
     try:
         for name in names:
@@ -40,6 +43,8 @@ def _split_markers(module: nn.Module, names: Sequence[str]) -> Iterator[None]:
 
             def forward(*args: Any, __inner: Any = inner, **kwargs: Any) -> Any:
                 pipe_split()
+                if foreign is not None:
+                    foreign.split()
                 return __inner(*args, **kwargs)
 
             sub.forward = forward  # type: ignore[method-assign]
@@ -60,12 +65,34 @@ def _root_cause(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[0] if text else ''}"[:300]
 
 
-def trace_pipe(module: nn.Module, mb_args: tuple[Any, ...], mb_kwargs: dict[str, Any], plan: PipelinePlan, training: bool) -> Pipe:
-    """Trace ``module.forward`` on one microbatch in train or eval mode and cut it by ``plan``."""
+def trace_pipe(
+    module: nn.Module, mb_args: tuple[Any, ...], mb_kwargs: dict[str, Any], plan: PipelinePlan, training: bool,
+    local_stages: Sequence[int] | None = None,
+) -> tuple[Pipe, dict[int, str]]:
+    """Trace ``module.forward`` on one microbatch in train or eval mode and cut it by ``plan``.
+
+    ``local_stages``: the stages this rank builds; the repeated blocks the forward calls in the
+    other stages are recorded as one opaque op each (:mod:`~lightning_parallel.parallel.pipeline.foreign`).
+    Returns the pipe and the opaque calls' block names by op handle (empty when every stage is traced whole).
+    """
+    if local_stages is not None:
+        try:
+            return _trace_pipe(module, mb_args, mb_kwargs, plan, training, local_stages)
+        except Exception:  # noqa: BLE001 - whatever the opaque calls broke, a whole trace decides (and words the error)
+            pass
+    return _trace_pipe(module, mb_args, mb_kwargs, plan, training, None)
+
+
+def _trace_pipe(
+    module: nn.Module, mb_args: tuple[Any, ...], mb_kwargs: dict[str, Any], plan: PipelinePlan, training: bool,
+    local_stages: Sequence[int] | None,
+) -> tuple[Pipe, dict[int, str]]:
     modes = {m: m.training for m in module.modules()}
+    blocks = [n for n, _ in find_repeated_blocks(module)]
     try:
         module.train(training)
-        with _split_markers(module, plan.split_points), opaque_forwards(module):
+        with foreign_blocks(module, blocks, plan.split_points, local_stages) as foreign, \
+                _split_markers(module, plan.split_points, foreign), opaque_forwards(module):
             pipe = pipeline(module, mb_args, mb_kwargs)
     except Exception as error:  # export raises many types; all mean "cannot split this forward"
         raise config_error(
@@ -89,7 +116,12 @@ def trace_pipe(module: nn.Module, mb_args: tuple[Any, ...], mb_kwargs: dict[str,
             "choose modules that forward calls once each, in order (not a module it skips or reuses)",
         )
     _check_stage_graph(pipe, plan)
-    return pipe
+    if foreign is None:
+        return pipe, {}
+    for k in local_stages or ():
+        if foreign_calls(pipe.get_stage_module(k)):  # the stage counter and the split disagree: never build from this
+            raise RuntimeError(f"stage {k} is built on this rank but holds opaque calls of other stages' blocks")
+    return pipe, dict(foreign.blocks)
 
 
 def _source(node: fx.Node) -> fx.Node:
@@ -139,6 +171,23 @@ def _check_stage_graph(pipe: Pipe, plan: PipelinePlan) -> None:
                 f"forward returns a value computed before the last stage ({_source(arg).name}); only the last stage's result leaves the pipeline",
                 "return only values computed from the last block onward",
             )
+
+
+def stage_interface(pipe: Pipe) -> list[tuple[str, list[Any]]]:
+    """The cut as the stages' communication sees it: per stage (and the model's output), where each
+    input comes from: a forward input by name, or (stage, output index). Ranks that traced other
+    stages' blocks as opaque calls must all see the same (compared in ``runtime.build_pipeline``)."""
+    graph = pipe.split_gm.graph
+    index = {n.name: i for i, n in enumerate(n for n in graph.nodes if n.op == "call_module")}
+
+    def where(arg: Any) -> Any:
+        if not isinstance(arg, fx.Node):
+            return repr(arg)
+        if arg.op == "call_function" and arg.target is operator.getitem:
+            return (where(arg.args[0]), arg.args[1])
+        return ("stage", index[arg.name]) if arg.op == "call_module" else (arg.op, str(arg.target))
+
+    return [(str(n.target), [where(a) for a in tree_leaves((n.args, n.kwargs))]) for n in graph.nodes if n.op in ("call_module", "output")]
 
 
 def _adopt_original_tensors(stage_module: nn.Module, module: nn.Module) -> None:
@@ -226,6 +275,11 @@ class TracedPipeline:
     eval: Pipe | None
     holders_by_stage: tuple[frozenset[str], ...]
     used_anywhere: frozenset[int] | None = None  # ids of the module's tensors that some stage uses
+    local_stages: frozenset[int] | None = None  # the stages traced whole (the others' blocks are opaque calls); None: all
+
+    def traces_whole(self, stages: Sequence[int]) -> bool:
+        """Whether every stage in ``stages`` was traced whole, so that it can be built from this trace."""
+        return self.local_stages is None or set(stages) <= self.local_stages
 
 
 def trace_pipeline(
@@ -237,27 +291,40 @@ def trace_pipeline(
     microbatches: int,
     build_eval: bool = True,
     checkpoint_blocks: Sequence[str] = (),
+    local_stages: Sequence[int] | None = None,
 ) -> TracedPipeline:
     """Trace ``module`` on one microbatch of the full-batch example and cut it by ``plan`` (no process group needed).
 
     ``checkpoint_blocks``: FQNs of blocks whose traced copies recompute their activations in
     backward (a strategy's ``activation_checkpointing=True``), beside those the model checkpoints itself.
+    ``local_stages``: the stages this rank will build (``plan.stages_for_rank``); the blocks of the
+    others are traced as opaque calls (:mod:`~lightning_parallel.parallel.pipeline.foreign`: a quarter
+    of the graphs' resident heap on 4 stages), their owners still counted. None: every stage whole.
     """
     mb_args, mb_kwargs = microbatch_example(tuple(example_args), dict(example_kwargs or {}), microbatches)
-    train = trace_pipe(module, mb_args, mb_kwargs, plan, training=True)
-    evaluation = trace_pipe(module, mb_args, mb_kwargs, plan, training=False) if build_eval else None
+    train, train_blocks = trace_pipe(module, mb_args, mb_kwargs, plan, training=True, local_stages=local_stages)
+    evaluation, eval_blocks = trace_pipe(module, mb_args, mb_kwargs, plan, training=False, local_stages=local_stages) if build_eval else (None, {})
     canonical = {id(p): n for n, p in module.named_parameters()}
     checkpointed = {name: _non_reentrant_checkpoint for name in checkpoint_blocks} | checkpointed_blocks(module)
     holders = []
     used: set[int] = set()
-    for pipe in (train, evaluation):
+    for pipe, opaque in ((train, train_blocks), (evaluation, eval_blocks)):
         for k in range(plan.num_stages if pipe is not None else 0):
             stage_module = pipe.get_stage_module(k)
             hold_unit_tensors(stage_module, module)  # MoE layers are opaque ops: their tensors are not graph inputs
             _adopt_original_tensors(stage_module, module)
-            _run_generated_code(stage_module)
-            used.update(id(t) for t in (*stage_module.parameters(), *stage_module.buffers()))
+            tensors = [*stage_module.parameters(), *stage_module.buffers()]
+            params = list(stage_module.parameters())
+            blocks = [module.get_submodule(opaque[h]) for h in foreign_calls(stage_module)]
+            if blocks:  # another rank's stage: its opaque blocks' tensors are its own, though not graph inputs here
+                tensors += [t for b in blocks for t in (*b.parameters(), *b.buffers())]
+                params += [p for b in blocks for p in b.parameters()]
+            else:  # traced whole: a stage this rank may build
+                _run_generated_code(stage_module)
+                if pipe is train:
+                    _honour_checkpointing(stage_module, checkpointed)
+            used.update(id(t) for t in tensors)
             if pipe is train:
-                _honour_checkpointing(stage_module, checkpointed)
-                holders.append(frozenset(canonical[id(p)] for p in stage_module.parameters()))
-    return TracedPipeline(plan, batch_size_of(mb_args, mb_kwargs), train, evaluation, tuple(holders), frozenset(used))
+                holders.append(frozenset(canonical[id(p)] for p in params))
+    local = frozenset(local_stages) if local_stages is not None and (train_blocks or eval_blocks) else None
+    return TracedPipeline(plan, batch_size_of(mb_args, mb_kwargs), train, evaluation, tuple(holders), frozenset(used), local)

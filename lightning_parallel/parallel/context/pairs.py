@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_parallel.compat import flash_attention_ops
 from lightning_parallel.parallel.context.attention import (
     _acc,
     _block_backward,
@@ -100,7 +101,7 @@ def _causal_mask(n: int, device: torch.device) -> Tensor:
 def _pair_forward(q: Tensor, k: Tensor, v: Tensor, pair: Pair, scale: float) -> tuple[Tensor, Tensor]:
     """Output (accumulation dtype) and log-sum-exp of ``q`` over one key chunk."""
     if _use_flash(q):
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        out, lse = flash_attention_ops("cpu")[0](
             q, k, v, 0.0, pair.causal, attn_mask=_bias(pair.mask, q.dtype), scale=scale)
         if pair.mask is not None:  # the kernel reports 0, not -inf, for a row that sees no key of this chunk
             lse = lse.masked_fill(~pair.mask.any(-1), float("-inf"))
@@ -153,7 +154,7 @@ class _PairAttention(torch.autograd.Function):
             for pair in pairs(layout, q_slot, key_valid, ctx.causal, ctx.window, q.device):
                 k, v = keys[:, :, pair.keys], values[:, :, pair.keys]
                 if flash:
-                    dqp, dkp, dvp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                    dqp, dkp, dvp = flash_attention_ops("cpu")[1](
                         grad_out[:, :, rows], qc, k, v, out[:, :, rows], lse[:, :, rows], 0.0, pair.causal,
                         attn_mask=_bias(pair.mask, q.dtype), scale=ctx.scale)
                 else:

@@ -1,12 +1,13 @@
 """While a rank traces the model, blocks of other ranks' stages are recorded as one opaque op each.
 
 Why: a rank needs only its own stages' graphs, but the tracer (``torch.export`` then
-``torch.distributed.pipelining``'s split) records the whole forward, node by node, to cut it.
-Measured on a 32-block GPT (width 512) at pp4, a rank kept 917 graph modules and 6,531 FX nodes
-from the train and eval traces, 85-93 MB of Python heap that stays resident after its objects
-die (freed pymalloc arenas between live ones are not handed back to the OS): about a quarter of
-the model's fp32 parameters on each rank, more than its share of the gradients is worth to
-shave. Three quarters of that heap describes stages the rank never runs.
+``torch.distributed.pipelining``'s split) records the whole forward, node by node, to cut it, and
+what it allocates stays resident after its objects die (freed pymalloc arenas between live ones are
+not handed back to the OS). Measured on a 32-block GPT (width 512, meta-built) at pp4, one process
+tracing train and eval pipes, after collection and trim: 75 MiB resident with every stage traced,
+56 MiB with only rank 1's (the rest is ``torch.export``'s imports, the eval pipe and first-use
+caches, see ``docs/memory.md``); the strategy's ``pp`` peak RSS per rank fell from 0.93 to 0.87 of
+the model's fp32 parameters.
 
 So while tracing, each block of the repeated stack (``blocks.0``, ``model.layers.3``, ...) that
 the forward calls inside a stage this rank does not own runs its real ``forward`` on the
@@ -25,7 +26,8 @@ holders (canonical names), so the owners every rank computes are those of a whol
 
 The op never runs: other ranks' stage modules are not built here, and its kernel raises if one is.
 Blocks that contain a split point, MoE units (opaque already, :mod:`~lightning_parallel.parallel.pipeline.moe`)
-and calls without tensor inputs are traced as before.
+and calls without tensor inputs are traced as before; where tracing with opaque calls fails, or
+the ranks' cuts differ, the whole model is traced as before (``trace.trace_pipe``, ``runtime.build_pipeline``).
 """
 
 from __future__ import annotations

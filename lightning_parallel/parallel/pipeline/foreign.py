@@ -42,7 +42,8 @@ import torch
 from torch import Tensor, fx, nn
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
+
+from lightning_parallel.compat import tree_flatten, tree_leaves, tree_unflatten
 
 _LIB = torch.library.Library("lightning_parallel_pp", "DEF")
 _LIB.define("foreign_block(Tensor[] inputs, int handle) -> Tensor[]")

@@ -148,12 +148,17 @@ def foreign_blocks(module: nn.Module, blocks: Sequence[str], split_points: Colle
             sub.forward = _opaque(trace, name, sub.forward)  # type: ignore[method-assign]
         yield trace
     finally:
-        for sub, previous in reversed(patched):
-            if previous is None:
-                del sub.forward
-            else:
-                sub.forward = previous  # type: ignore[method-assign]
+        restore_forwards(patched)
         _PENDING.clear()
+
+
+def restore_forwards(patched: list[tuple[nn.Module, Any]]) -> None:
+    """Undo ``forward`` patches, last first: a module without an instance ``forward`` before gets its class's back."""
+    for sub, previous in reversed(patched):
+        if previous is None:
+            del sub.forward
+        else:
+            sub.forward = previous  # type: ignore[method-assign]
 
 
 def foreign_calls(stage_module: nn.Module) -> list[int]:

@@ -24,7 +24,7 @@ from torch.distributed.pipelining import Pipe, pipe_split, pipeline
 from lightning_parallel.compat import run_generated_code, tree_leaves
 from lightning_parallel.parallel.blocks import find_repeated_blocks
 from lightning_parallel.parallel.errors import config_error
-from lightning_parallel.parallel.pipeline.foreign import ForeignTrace, foreign_blocks, foreign_calls
+from lightning_parallel.parallel.pipeline.foreign import ForeignTrace, foreign_blocks, foreign_calls, restore_forwards
 from lightning_parallel.parallel.pipeline.moe import hold_unit_tensors, opaque_forwards
 from lightning_parallel.parallel.pipeline.plan import PipelinePlan, _compact
 from lightning_parallel.parallel.pipeline.schedules import batch_size_of, microbatch_example
@@ -51,11 +51,7 @@ def _split_markers(module: nn.Module, names: Sequence[str], foreign: ForeignTrac
             patched.append((sub, previous))
         yield
     finally:
-        for sub, previous in reversed(patched):
-            if previous is None:
-                del sub.forward
-            else:
-                sub.forward = previous  # type: ignore[method-assign]
+        restore_forwards(patched)
 
 
 def _root_cause(error: BaseException) -> str:

@@ -58,7 +58,12 @@ from torch.utils._device import _device_constructors as device_constructors
 # --- fake tensors ---------------------------------------------------------------------------
 # Why: an opaque MoE op must recognise shape-propagation inputs (fake or meta) and skip its
 # collectives. Since: 2.4. Public: none yet.
-from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+# --- dispatch modes -------------------------------------------------------------------------
+# Why: the tensor-parallel planner records a forward's ATen calls (parallel/tensor/dataflow_record.py).
+# Since: 2.0. Public: none yet.
+from torch.utils._python_dispatch import TorchDispatchMode
 
 # --- functional collectives -----------------------------------------------------------------
 # Why: DTensor redistributions return AsyncCollectiveTensor, which waits on first use; a value
@@ -237,6 +242,15 @@ def schedule_stages(schedule: Any) -> list[Any]:
     return list(schedule._stages) if hasattr(schedule, "_stages") else [schedule._stage]
 
 
+def op_arguments(op: Any) -> list[Any]:
+    """``OpOverload._schema.arguments``: an ATen op's declared arguments (name, default).
+
+    Why: the tensor-parallel planner binds recorded calls to argument names
+    (parallel/tensor/dataflow.py). Since: 2.0. Public: none.
+    """
+    return list(op._schema.arguments)
+
+
 def local_tensor(tensor: Any) -> Tensor | None:
     """``DTensor._local_tensor``: this rank's shard without an autograd edge, or None for a plain tensor.
 
@@ -379,6 +393,8 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
     PrivateApi("DeviceContext", "torch.utils._device:DeviceContext", "2.4", "with torch.device(...)"),
     PrivateApi("device_constructors", "torch.utils._device:_device_constructors", "2.4", "none"),
     PrivateApi("FakeTensor", "torch._subclasses.fake_tensor:FakeTensor", "2.4", "none yet"),
+    PrivateApi("FakeTensorMode", "torch._subclasses.fake_tensor:FakeTensorMode", "2.4", "none yet"),
+    PrivateApi("TorchDispatchMode", "torch.utils._python_dispatch:TorchDispatchMode", "2.0", "none yet"),
     PrivateApi("AsyncCollectiveTensor", "torch.distributed._functional_collectives:AsyncCollectiveTensor", "2.4",
                "none yet"),
     PrivateApi("StridedShard", "torch.distributed.tensor.placement_types:_StridedShard", "2.5", "none yet"),
@@ -435,19 +451,20 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
 #: ``x.<name>`` and ``getattr(x, "<name>")`` for these anywhere else in the package).
 PRIVATE_ATTRIBUTES = frozenset({"_flatten", "_unflatten", "_set_params_and_buffers_to_ignore_for_model",
                                 "_run_with_interpreter", "_foreach_norm", "_local_tensor",
-                                "_assert_tensor_metadata", "_stages", "_stage", "_parse_to",
+                                "_assert_tensor_metadata", "_stages", "_stage", "_parse_to", "_schema",
                                 "_resolve_process_group", "_reset_parameters", "_get_pg_default_device",
                                 "_set_unshard_async_op", "_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
                                 "_backward_pre_hooks", "_global_forward_hooks", "_datasets"})
 
 __all__ = [
     "PRIVATE_APIS", "PRIVATE_ATTRIBUTES", "TORCH_LOWER_BOUND", "AsyncCollectiveTensor", "BatchNormBase",
-    "DeviceContext", "FakeTensor", "FsdpReduceScatter", "GraphPipelineStage", "PipelineAction", "PipelineComputationType",
+    "DeviceContext", "FakeTensor", "FakeTensorMode", "FsdpReduceScatter", "GraphPipelineStage", "PipelineAction", "PipelineComputationType",
     "PipelineScheduleRuntime", "PrivateApi", "StridedShard", "TreeSpec", "assert_tensor_metadata_op",
     "checkpoint_module", "compute_local_shape_and_global_offset", "ddp_ignore", "device_constructors",
     "flash_attention_ops", "flatten_mesh", "foreach_norm", "functional_collectives", "global_module_hooks", "litdata_env_class",
     "litdata_wrapped_datasets", "local_tensor", "modify_graph_op_device", "module_has_hooks",
-    "multihead_attention_init", "parse_to", "parse_to_device", "process_group_device",
+    "multihead_attention_init", "op_arguments", "parse_to", "parse_to_device", "process_group_device",
     "resolve_process_group", "run_generated_code", "set_fsdp_unshard_async",
     "schedule_stages", "templated_ring_attention", "templated_ring_attention_backward", "torch_ring_rotation", "tree_flatten", "tree_leaves", "tree_map", "tree_unflatten", "unflatten_mesh",
+    "TorchDispatchMode",
 ]

@@ -182,7 +182,7 @@ def _styles(
     stream = Shard(1) if sp else Replicate()
     out: dict[str, ParallelStyle] = {}
     for name, style in plan.styles.items():
-        in_region = _parent(name) in regions
+        in_region = _inside(_parent(name), regions)
         mod = module.get_submodule(name) if module is not None else nn.Linear(1, 1)
         packed = plan.packed.get(name, 1)
         if style == COLWISE:
@@ -250,13 +250,13 @@ def apply_tensor_parallel(
     for name, style in plan.styles.items():
         if style == EXPERTS:
             apply_experts_tensor_parallel(module.get_submodule(name), tp_mesh)
-    for group in ties:  # parallelize_module distributes each owner separately: tie them again
-        first_mod, first_local = group[0]
+    for group in ties:  # parallelize_module distributes each owner separately: tie them again, to a split one
+        first_mod, first_local = next(((m, local) for m, local in group if m in styles), group[0])
         shared = getattr(module.get_submodule(first_mod), first_local)
-        for mod_name, local in group[1:]:
+        for mod_name, local in group:
             setattr(module.get_submodule(mod_name), local, shared)
     for name in styles:  # outside regions (which settle their own outputs): plain tensors, not pending collectives
-        if _parent(name) not in plan.regions:
+        if not _inside(_parent(name), set(plan.regions)):
             module.get_submodule(name).register_forward_hook(settle_output_hook)
     for param in {id(p): p for p in module.parameters()}.values():
         if isinstance(param, DTensor) and param.requires_grad:

@@ -1,21 +1,32 @@
-"""Structural inference of a tensor-parallel layout: what a module tree says without running it.
+"""Inference of a tensor-parallel layout: which linears pair up, where the vocabulary is.
 
 Separate from the plan (:mod:`lightning_parallel.parallel.tensor.plan`) because it answers another
 question: not "which style does a module get" (precedence, user globs, divisibility, bytes) but
 "which linears form a column/row pair, where is the vocabulary, which modules sit on the
-residual stream". It reads module types, names, shapes and head-count attributes only, so it
-works on a meta-device model. Attention is recognised by role names (``q_proj``, ``wq``, ...)
-or, when the parent declares a head count, by shape and order; a feed-forward pair by an
-``H -> F`` linear (or gate and up) registered before an ``F -> H`` one, or by execution order
-in an ``nn.Sequential``. The plan turns these roles into styles.
+residual stream".
+
+Pairs come from the dataflow wherever a forward can be recorded
+(:mod:`~lightning_parallel.parallel.tensor.dataflow`): a Hugging Face model with its own dummy
+inputs, or any module with Lightning's ``example_input_array``; it runs on meta or fake tensors,
+so it works on a model built under ``empty_init``. Each pair's *region*, the module whose
+forward sees its split tensors, is the smallest module holding all its members (BERT's
+``attention``, which holds ``self.query`` and ``output.dense``).
+
+Where no forward can be recorded, names and shapes decide, and the plan says so: attention by
+role names (``q_proj``, ``wq``, ...) or, when the parent declares a head count, by shape and
+order; a feed-forward pair by an ``H -> F`` linear (or gate and up) registered before an
+``F -> H`` one, or by execution order in an ``nn.Sequential``. The plan turns these roles into styles.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 from torch import nn
 
+from lightning_parallel.parallel.tensor.dataflow import dataflow_groups
+from lightning_parallel.parallel.tensor.dataflow_record import Recording, example_call, record_forward
 from lightning_parallel.parallel.tensor.experts import experts_layout, experts_reason
 from lightning_parallel.parallel.tensor.fused import features, is_linear_like
 
@@ -76,6 +87,11 @@ class Structure:
     roles: dict[str, str] = field(default_factory=dict)
     packed: dict[str, int] = field(default_factory=dict)
     experts: list[str] = field(default_factory=list)
+    # Row-parallel linear -> the module whose forward sees its pair's split tensors (its parent
+    # where names decided; the members' smallest common module where the dataflow did).
+    region_of: dict[str, str] = field(default_factory=dict)
+    # How pairs were found, per traced root ("" = the whole model): "dataflow", or why not.
+    method: dict[str, str] = field(default_factory=dict)
 
     def reason(self, name: str) -> str:
         """Why a module that owns parameters is not sharded, for the report."""
@@ -178,8 +194,83 @@ def _mlp_groups(parent: nn.Module, lins: list[tuple[str, nn.Module]], used: set[
     return groups
 
 
-def analyse(module: nn.Module) -> Structure:
-    """Infer a plan from the module tree: attention and MLP groups, vocab embedding and head."""
+def _common_module(names: list[str]) -> str:
+    """The smallest module holding every named one (their longest common dotted prefix)."""
+    parts = [n.split(".")[:-1] for n in names]
+    common: list[str] = []
+    for level in zip(*parts):
+        if len(set(level)) != 1:
+            break
+        common.append(level[0])
+    return ".".join(common)
+
+
+def _dataflow_roots(module: nn.Module) -> list[str]:
+    """Outermost submodules (the root included) with inputs to record a forward with."""
+    roots: list[str] = []
+    for name, mod in module.named_modules():
+        if any(name == r or name.startswith(f"{r}.") or r == "" for r in roots):
+            continue
+        if example_call(mod) is not None:
+            roots.append(name)
+    return roots
+
+
+# One recording per model (the planner resolves a plan per candidate tp degree): module -> recording.
+_RECORDINGS: weakref.WeakKeyDictionary[nn.Module, Recording] = weakref.WeakKeyDictionary()
+
+
+def _recording(sub: nn.Module) -> Recording:
+    if sub not in _RECORDINGS:
+        _RECORDINGS[sub] = record_forward(sub, *example_call(sub))  # type: ignore[misc]
+    return _RECORDINGS[sub]
+
+
+def _apply_dataflow(module: nn.Module, st: Structure, tp: int) -> None:
+    """Replace the name-found pairs under each recordable root by the dataflow's (module doc)."""
+    for root in _dataflow_roots(module):
+        sub = module.get_submodule(root) if root else module
+        prefix = f"{root}." if root else ""
+        try:
+            recording = _recording(sub)
+        except Exception as error:  # noqa: BLE001 - any failure leaves this root to names and shapes
+            st.method[root] = f"names and shapes (recording a forward failed: {type(error).__name__}: {str(error)[:120]})"
+            continue
+        linears = [n for n, m in sub.named_modules() if is_linear_like(m)]
+        found = dataflow_groups(recording, tp, linears)
+        st.method[root] = "dataflow"
+        under = [g for g, members in st.groups.items() if g != "#vocab" and not g.endswith("#experts")
+                 and all(m.startswith(prefix) for m in members)]
+        for g in under:
+            for m in st.groups.pop(g):
+                for kind in (st.column, st.row):
+                    if m in kind:
+                        kind.remove(m)
+                st.packed.pop(m, None)
+        blocks = [b for b in st.blocks if not (b == root or b.startswith(prefix))]
+        for n, (cols, rows) in enumerate(found.groups):
+            cols, rows = [prefix + c for c in cols], [prefix + r for r in rows]
+            region = _common_module(cols + rows)
+            st.column += cols
+            st.row += rows
+            st.groups[f"{region}#tp{n}"] = cols + rows
+            st.region_of.update({r: region for r in rows})
+            if region not in blocks:
+                blocks.append(region)
+        # An LM head found by shape is one only if its output reaches the model's output.
+        heads = tuple(h for h in st.lm_heads if not h.startswith(prefix) or h[len(prefix):] in found.outputs)
+        if heads != st.lm_heads and "#vocab" in st.groups:
+            st.groups["#vocab"] = [m for m in st.groups["#vocab"] if m not in st.lm_heads or m in heads]
+            st.lm_heads = heads
+        st.packed.update({prefix + k: v for k, v in found.packed.items()})
+        st.roles.update({prefix + k: v for k, v in found.reasons.items()})
+        st.blocks = tuple(blocks)
+
+
+def analyse(module: nn.Module, tp_size: int = 2) -> Structure:
+    """Infer a plan: attention and MLP pairs (from the dataflow where a forward can be recorded,
+    see the module doc), vocab embedding and head, norms, experts. ``tp_size`` decides which
+    reshapes keep whole heads on every rank."""
     st = Structure()
     modules = dict(module.named_modules())
     blocks: list[str] = []
@@ -253,4 +344,6 @@ def analyse(module: nn.Module) -> Structure:
                 norms.append(name)
             st.roles[name] = "norm (sequence-sharded under sequence_parallel)"
     st.norms = tuple(norms)
+    if tp_size > 1:
+        _apply_dataflow(module, st, tp_size)
     return st

@@ -256,6 +256,11 @@ def _parent(name: str) -> str:
     return name.rpartition(".")[0]
 
 
+def _outermost(regions: set[str]) -> list[str]:
+    """Regions not inside another (which runs its whole forward on DTensors already: BERT's layer)."""
+    return [""] if "" in regions else sorted(r for r in regions if not any(r.startswith(f"{o}.") for o in regions if o != r))
+
+
 def _finalise(
     module: nn.Module, tp: int, source: str, styles: dict[str, str], groups: dict[str, list[str]],
     reasons: dict[str, str], structure: Structure, strict: bool, notes: list[str], packed: dict[str, int],
@@ -290,18 +295,26 @@ def _finalise(
             styles.pop(name, None)
             packed.pop(name, None)
             reasons[name] = f"{what} {size} % tp {tp} != 0"
-    # Tied weights must be split the same way (embedding rowwise and a gathered head both split dim 0).
+    # Tied weights split the same way (embedding rowwise, gathered head: dim 0). A module only holding a
+    # tied parameter (BERT's ``cls.predictions.bias``, its decoder's) follows the one computing with it;
+    # dropping a style can break another tie (the decoder's weight): repeat.
     by_param: dict[int, list[tuple[str, str]]] = {}
     for mod_name, mod in module.named_modules():
         for local, p in mod.named_parameters(recurse=False):
             by_param.setdefault(id(p), []).append((mod_name, local))
-    for owners in by_param.values():
-        kinds = {param_shard(styles, packed, all_modules[o], o, local) for o, local in owners}
-        if len(owners) > 1 and len(kinds) > 1:
-            for o, _ in owners:
-                if o in styles:
-                    styles.pop(o)
-                    reasons[o] = f"weight tied to {', '.join(x for x, _ in owners if x != o)} which is split differently"
+    changed = True
+    while changed:
+        changed = False
+        for owners in (o for o in by_param.values() if len(o) > 1):
+            computing = [(o, local) for o, local in owners if o in styles or is_linear_like(all_modules[o])
+                         or isinstance(all_modules[o], nn.Embedding)]
+            kinds = {param_shard(styles, packed, all_modules[o], o, local) for o, local in computing}
+            if len(kinds) > 1:
+                for o, _ in owners:
+                    if o in styles:
+                        styles.pop(o)
+                        changed = True
+                        reasons[o] = f"weight tied to {', '.join(x for x, _ in owners if x != o)} which is split differently"
     total = sharded = 0
     replicated: dict[str, str] = {}
     for mod_name, local, param in owned_params(module):
@@ -310,7 +323,7 @@ def _finalise(
             sharded += param.numel()
         elif mod_name not in styles:
             replicated[mod_name] = reasons.get(mod_name) or structure.reason(mod_name)
-    regions = sorted({_parent(n) for n, s in styles.items() if s in _ROW_STYLES})
+    regions = _outermost({structure.region_of.get(n, _parent(n)) for n, s in styles.items() if s in _ROW_STYLES})
     return TensorParallelPlan(
         tp_size=tp, source=source, styles=styles, replicated=replicated, regions=tuple(regions),
         norms=structure.norms, stream_embeddings=structure.stream_embeddings, lm_heads=structure.lm_heads,
@@ -341,7 +354,7 @@ def _declared_groups(styles: dict[str, str]) -> dict[str, list[str]]:
     return groups
 
 
-def _gather_unpaired(styles: dict[str, str], notes: list[str]) -> None:
+def _gather_unpaired(styles: dict[str, str], notes: list[str], groups: dict[str, list[str]] | None = None) -> None:
     """A column-parallel layer with no row-parallel sibling gathers its output.
 
     Its split output would otherwise reach code written for the whole one (a replicated
@@ -349,8 +362,9 @@ def _gather_unpaired(styles: dict[str, str], notes: list[str]) -> None:
     or a user plan naming only the first layer of a pair. Gathering is always correct.
     """
     with_rows = {_parent(n) for n, s in styles.items() if s in _ROW_STYLES}
+    paired = {m for members in (groups or {}).values() if any(styles.get(r) in _ROW_STYLES for r in members) for m in members}
     for name, style in list(styles.items()):
-        if style == COLWISE and _parent(name) not in with_rows:
+        if style == COLWISE and _parent(name) not in with_rows and name not in paired:
             styles[name] = COLWISE_GATHER
             notes.append(f"module {name!r}: colwise with no row-parallel layer beside it; its output is gathered")
 
@@ -410,7 +424,7 @@ def resolve_tp_plan(
         raise config_error(ValueError, "tensor_parallel_size", tp_size, "must be >= 1", "pass e.g. tensor_parallel_size=2")
     if user_plan is not None and not isinstance(user_plan, dict):
         raise config_error(TypeError, "tp_plan", user_plan, "must be a dict of module-name glob -> style", "e.g. {'blocks.*.mlp.fc': 'colwise'}")
-    structure = analyse(module)
+    structure = analyse(module, tp_size)
     notes: list[str] = []
     reasons: dict[str, str] = {}
     packed: dict[str, int] = {}
@@ -445,7 +459,7 @@ def resolve_tp_plan(
         for name in [n for n, s in styles.items() if s == EXPERTS]:
             styles.pop(name)
             reasons[name] = "experts: split by expert parallelism (expert_parallel_size > 1), not by tp"
-    _gather_unpaired(styles, notes)
+    _gather_unpaired(styles, notes, structure.groups if source != "user" else None)
     _unpack_linears(module, packed, notes)
     if source == "inferred":
         groups = _inferred_groups(structure, styles)

@@ -31,6 +31,7 @@ import torch
 
 from lightning_parallel.testing.coverage_cells import TOLERANCE, run_cells
 from lightning_parallel.testing.parity import FitSpec, run_fit
+from lightning_parallel.testing.more_families import MORE_FAMILIES
 from lightning_parallel.testing.real_models import HF_FAMILIES, MOE_FAMILIES
 
 _RM = "lightning_parallel.testing.real_models"
@@ -49,6 +50,10 @@ MODELS: dict[str, FitSpec] = {
                       data=f"{_RM}:image_data", global_batch=8, max_steps=5, trainer_kwargs={"sync_batchnorm": True}),
     "vit": FitSpec(model=f"{_RM}:VisionClassifier", model_kwargs={"arch": "vit"}, data=f"{_RM}:image_data",
                    global_batch=8, max_steps=5),
+    # Families the tensor-parallel planner was not written against (issue 26): its plans come from the dataflow.
+    **{name: FitSpec(model=f"{_RM}:HFCausalLM", model_kwargs={"family": family, "loss": loss, "config": config},
+                     data="lightning_parallel.testing.parity:token_data", global_batch=8, max_steps=5)
+       for name, (family, loss, config) in MORE_FAMILIES.items()},
 }
 
 # name -> world size; the strategy is the registered preset of that name.
@@ -59,6 +64,8 @@ STRATEGIES: dict[str, int] = {"dp": 2, "zero1": 2, "zero2": 2, "zero3": 2, "hsdp
 CI_SUBSET: list[tuple[str, str]] = [
     ("llama", "tp"), ("qwen2", "pp"), ("gpt2", "zero3"), ("gpt_neox", "zero1"), ("phi3", "zero2"),
     ("mixtral", "ep"), ("qwen2_moe", "ep"), ("resnet", "dp"), ("vit", "hsdp"), ("llama", "3d"), ("gpt2", "cp"),
+    # The planner's dataflow plans under tp on every further family (mamba: a typed refusal, it splits too little).
+    *[(name, "tp") for name in MORE_FAMILIES],
 ]
 
 
@@ -70,6 +77,7 @@ class Cell:
     value: float | None = None
     message: str = ""
     dims: str | None = None  # the layout the strategy resolved to (e.g. "pp=2 x ... tp=1 (ep=1)")
+    local_fraction: float | None = None  # of the parameters each rank holds (shown for tp: what the plan split)
 
     @property
     def id(self) -> str:
@@ -81,7 +89,8 @@ class Cell:
 
     def text(self) -> str:
         if self.kind == "ok":
-            return f"{self.value:.1e}"
+            held = f" (holds {self.local_fraction:.0%})" if self.strategy == "tp" and self.local_fraction else ""
+            return f"{self.value:.1e}{held}"
         if self.kind == "n/a":
             return "n/a"
         if self.kind == "refused":
@@ -163,7 +172,7 @@ def _run_group(world: int, cells: list[Cell], refs: dict[str, str], work: Path, 
             if record_file.exists():
                 record = json.loads(record_file.read_text())
                 cell.kind, cell.value, cell.message = record["kind"], record.get("value"), record.get("message", "")
-                cell.dims = record.get("dims")
+                cell.dims, cell.local_fraction = record.get("dims"), record.get("local_fraction")
                 progressed = True
             elif started.exists():  # began but never reported: it broke the group (or hung)
                 cell.kind, cell.message = "error", error or "no result (the group stopped)"

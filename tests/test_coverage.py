@@ -102,7 +102,7 @@ def test_main_exit_status_and_output_file(tmp_path: Path, monkeypatch: Any) -> N
         assert status == (0 if name == "ok" else 1)
         assert out.read_text().startswith("| model | dp (2) | ep (2) |")
     with pytest.raises(SystemExit, match="unknown models"):
-        coverage.main(["--models", "llama,bert"])
+        coverage.main(["--models", "llama,nonesuch"])
     assert {m for m, _ in coverage.CI_SUBSET} == set(coverage.MODELS)
     assert {s for _, s in coverage.CI_SUBSET} == set(coverage.STRATEGIES)
 

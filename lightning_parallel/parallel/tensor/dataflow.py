@@ -61,7 +61,8 @@ class _Pass(Rules):
         self.tags: dict[int, Tag] = {}
         self.parent: dict[str, str] = {}
         self.failures: list[tuple[str, str]] = []
-        self.rows: list[tuple[str, str]] = []
+        self.rows: list[tuple[str, str, str]] = []  # (group, row linear, origin of the split it reads)
+        self.dead: set[str] = set()
         self.pack_requests: dict[str, int] = {}
         self.order: list[str] = []
         self.reaching: set[str] = set()
@@ -108,6 +109,7 @@ class _Pass(Rules):
                 outs = self.op(call, tagged)
             except Broken as broken:
                 self.failures += [(t.group, broken.reason) for t in broken.tags]
+                self.kill({self.find(t.group) for t in broken.tags})
                 outs = [None] * len(call.outs)
             for ref, tag in zip(call.outs, outs):
                 self.set(ref, tag)
@@ -117,18 +119,24 @@ class _Pass(Rules):
                 self.failures.append((t.group, "its split output reaches the model's output"))
                 self.reaching.add(t.origin)
 
+    def kill(self, roots: set[str]) -> None:
+        """A broken group's linears stay whole: from here on none of its tensors is split."""
+        self.dead |= roots
+        for key in [k for k, t in self.tags.items() if self.find(t.group) in self.dead]:
+            del self.tags[key]
+
     def linear(self, call: LinearCall) -> None:
         t = self.tag(call.input)
         if t is not None:
             shape = call.input.shape if call.input is not None else ()
             if t.dim == len(shape) - 1 and t.parts == 1:
-                self.rows.append((t.group, call.name))
+                self.rows.append((t.group, call.name, t.origin))
             else:
                 self.failures.append((t.group, f"reaches `{call.name}` split along dim {t.dim}, not its input features"))
         if call.output is None:
             return
         self.order.append(call.name)
-        if call.name not in self.candidates:
+        if call.name not in self.candidates or self.find(call.name) in self.dead:
             self.set(call.output, None)
             return
         parts = self.packing.get(call.name, 1)
@@ -146,14 +154,14 @@ def dataflow_groups(recording: Recording, tp: int, candidates: Iterable[str]) ->
     packing: dict[str, int] = {}
     reasons: dict[str, str] = {}
     outputs: set[str] | None = None
-    partners: dict[str, list[str]] = {}  # row -> the columns it first paired with
+    partners: dict[str, str] = {}  # row -> the column whose split it read in the first pass
     for _ in range(64):
         p = _Pass(tp, live, packing)
         p.run(recording)
         if outputs is None:
             outputs = set(p.reaching)
-            for group, row in p.rows:
-                partners.setdefault(row, [g for g in p.order if p.find(g) == p.find(group)][:1])
+            for _, row, origin in p.rows:
+                partners.setdefault(row, origin)
         if p.pack_requests:
             fresh = {k: v for k, v in p.pack_requests.items() if packing.get(k) != v}
             if fresh:
@@ -172,7 +180,7 @@ def dataflow_groups(recording: Recording, tp: int, candidates: Iterable[str]) ->
                 reasons.setdefault(m, f"as a column-parallel layer: {reason}")
                 broken.add(m)
         rows: dict[str, list[str]] = {}
-        for group, row in p.rows:
+        for group, row, _ in p.rows:
             rows.setdefault(p.find(group), [])
             if row not in rows[p.find(group)]:
                 rows[p.find(group)].append(row)
@@ -197,9 +205,10 @@ def dataflow_groups(recording: Recording, tp: int, candidates: Iterable[str]) ->
         if keep == live:
             result = DataflowGroups(chosen, {k: v for k, v in packing.items() if k in keep and v > 1}, outputs=outputs or set())
             paired = keep | {m for _, r in chosen for m in r}
-            for row, cols in partners.items():  # say why a would-be row stays whole: its partner does
-                if row not in paired and cols and cols[0] in reasons and cols[0] != row:
-                    reasons[row] = f"its column-parallel partner `{cols[0]}` stays whole ({reasons[cols[0]]})"
+            own = dict(reasons)
+            for row, origin in partners.items():  # say why a would-be row stays whole: its partner does
+                if row not in paired and origin != row and origin in own:
+                    reasons[row] = f"reads the split output of `{origin}`, which stays whole ({own[origin]})"
             result.reasons = {k: v for k, v in reasons.items() if k not in paired}
             return result
         live = keep

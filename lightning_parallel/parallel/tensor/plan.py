@@ -7,9 +7,8 @@ so one source's pairing of column- and row-parallel layers is never half-overrid
 another's): a plan given in the strategy's config (glob of module names -> style), a plan the
 model declares (Hugging Face convention: ``_tp_plan`` on a module, ``config.base_model_tp_plan``),
 a plan inferred from the structure (:func:`lightning_parallel.parallel.tensor.infer.analyse`).
-One exception: a declared plan that does not fit the model as built (entries matching no
-module, Hugging Face styles with no counterpart here) is completed by inferred *groups* that it
-does not mention at all (see :func:`resolve_tp_plan`), so no pairing is ever split between sources.
+One exception: a declared plan is completed by inferred *groups* that it does not mention at
+all (see :func:`resolve_tp_plan`), so no pairing is ever split between sources.
 
 Hugging Face's style names (transformers 5) map onto these: ``colwise``, ``rowwise``,
 ``colwise_gather_output``/``colwise_rep``, ``rowwise_split_input``/``rowwise_rep``,
@@ -411,12 +410,10 @@ def resolve_tp_plan(
     ``tp_size``. ``split_experts=False`` leaves Hugging Face experts modules to expert
     parallelism (both would otherwise split the same parameters).
 
-    A declared (Hugging Face) plan that does not fit the model as built (an entry matching no
-    module, a style with no counterpart here) is completed by the inferred plan, group by group:
-    an inferred group none of whose modules the declared plan names is added whole (Qwen2-MoE
-    declares ``mlp.gate_proj``/``up_proj``/``down_proj``, which its sparse layers do not have,
-    and misses their ``shared_expert``). A declared plan that fits is taken whole: what it leaves
-    out it may leave out on purpose.
+    A declared (Hugging Face) plan is used for what it covers and completed by the inferred plan,
+    group by group: an inferred group none of whose modules the declared plan names is added
+    whole (Qwen2-MoE declares ``mlp.gate_proj``/``up_proj``/``down_proj``, which its sparse layers
+    do not have, and misses their ``shared_expert``; GPT-OSS declares its embedding only).
     """
     if isinstance(tp_size, bool) or not isinstance(tp_size, int):
         raise config_error(TypeError, "tensor_parallel_size", tp_size, "must be an int", "pass e.g. tensor_parallel_size=2")
@@ -435,8 +432,7 @@ def resolve_tp_plan(
     elif declared:
         source = "declared"
         styles, named = _styles_from_globs(module, declared, user=False, notes=notes, packed=packed)
-        misfit = bool(notes)  # entries matching no module, or styles with no counterpart here
-        inferred = inferred_styles(structure) if misfit else {}
+        inferred = inferred_styles(structure)
         added: list[str] = []
         for members in _inferred_groups(structure, inferred).values():
             if members and not any(m in named or m in styles for m in members):

@@ -83,6 +83,7 @@ class TensorParallelPlan:
     # Column-parallel modules whose output packs n equal parts ([q | k | v], [gate | up]): their
     # weights are sharded ``_StridedShard(dim, n)`` so each rank holds its slice of every part.
     packed: dict[str, int] = field(default_factory=dict)
+    pairs_from: str = ""  # "dataflow", or why module names and shapes decided (infer.py)
 
     @property
     def fraction_sharded(self) -> float:
@@ -105,6 +106,7 @@ class TensorParallelPlan:
             rows[key] = rows.get(key, 0) + 1
         width = max([len(k[0]) for k in rows] + [6])
         lines = [f"Tensor-parallel plan (tp={self.tp_size}, source={self.source})", f"{'module':<{width}}  style"]
+        lines[1:1] = [f"pairs found from: {self.pairs_from}"] if self.pairs_from else []
         for (name, style), count in rows.items():
             lines.append(f"{name:<{width}}  {style}" + (f"  x{count}" if count > 1 else ""))
         lines.append(
@@ -327,7 +329,10 @@ def _finalise(
         tp_size=tp, source=source, styles=styles, replicated=replicated, regions=tuple(regions),
         norms=structure.norms, stream_embeddings=structure.stream_embeddings, lm_heads=structure.lm_heads,
         blocks=structure.blocks, total_params=total, sharded_params=sharded, warnings=tuple(notes),
-        packed={n: f for n, f in packed.items() if n in styles},
+        packed={n: f for n, f in packed.items() if n in styles}, pairs_from="; ".join(
+            f"{root or type(module).__name__}: {how}" for root, how in structure.method.items()) or "module names and shapes "
+        "(no forward to record: a Hugging Face model's dummy_inputs or the LightningModule's example_input_array)"
+        if tp > 1 else "",
     )
 
 

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_parallel.parallel.tensor.dataflow_record import LinearCall, Recording, Ref
-from lightning_parallel.parallel.tensor.dataflow_rules import Broken, Product, Rules, Tag, refs
+from lightning_parallel.parallel.tensor.dataflow_rules import Broken, Product, Rules, Tag
 
 
 @dataclass
@@ -69,9 +69,12 @@ class _Pass(Rules):
 
     # --- groups ------------------------------------------------------------------------------
     def find(self, g: str) -> str:
-        while self.parent.get(g, g) != g:
-            g = self.parent[g]
-        return g
+        root = g
+        while self.parent.get(root, root) != root:
+            root = self.parent[root]
+        while g != root:  # path compression: later finds are one step
+            self.parent[g], g = root, self.parent[g]
+        return root
 
     def union(self, tags: list[Tag]) -> str:
         root = self.find(tags[0].group)
@@ -84,7 +87,8 @@ class _Pass(Rules):
     def tag(self, ref: Any) -> Tag | None:
         if isinstance(ref, Product):
             return ref.tag
-        return self.tags.get(ref.id) if isinstance(ref, Ref) else None
+        t = self.tags.get(ref.id) if isinstance(ref, Ref) else None
+        return None if t is None or (self.dead and self.find(t.group) in self.dead) else t
 
     def set(self, ref: Any, tag: Tag | None) -> None:
         if isinstance(ref, Ref):
@@ -99,8 +103,7 @@ class _Pass(Rules):
             if isinstance(call, LinearCall):
                 self.linear(call)
                 continue
-            ins = [(r, self.tag(r)) for r in refs((call.args, call.kwargs))]
-            tagged = [t for _, t in ins if t is not None]
+            tagged = [t for t in map(self.tag, call.inputs) if t is not None]
             if not tagged:
                 for out in call.outs:
                     self.set(out, None)
@@ -120,10 +123,9 @@ class _Pass(Rules):
                 self.reaching.add(t.origin)
 
     def kill(self, roots: set[str]) -> None:
-        """A broken group's linears stay whole: from here on none of its tensors is split."""
+        """A broken group's linears stay whole: from here on none of its tensors is split (``tag``
+        reads a dead group's tags as none)."""
         self.dead |= roots
-        for key in [k for k, t in self.tags.items() if self.find(t.group) in self.dead]:
-            del self.tags[key]
 
     def linear(self, call: LinearCall) -> None:
         t = self.tag(call.input)

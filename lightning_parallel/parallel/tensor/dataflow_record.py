@@ -9,8 +9,9 @@ layer is one :class:`LinearCall` (input tensor -> output tensor) instead.
 
 Inputs: a Hugging Face ``PreTrainedModel`` is called with its own ``dummy_inputs`` (token ids;
 attention masks are dropped, since building a mask from values is data-dependent and meta
-tensors have none) and ``use_cache=False`` (a key/value cache is a second output the split keys
-would reach); any other module with Lightning's ``example_input_array``.
+tensors have none), ``use_cache=False`` (a key/value cache is a second output the split keys
+would reach) and, for an encoder-decoder that has none, the token ids as decoder inputs too; any
+other module with Lightning's ``example_input_array``.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class OpCall:
     args: tuple
     kwargs: dict
     outs: list[Ref | None]
+    inputs: list[Ref] = field(default_factory=list)  # every tensor argument, flattened (read once per pass)
 
 
 @dataclass
@@ -85,9 +87,11 @@ class _Recorder(TorchDispatchMode):
                 raise
         if not self.inside_linear:
             flat, _ = tree_flatten(out)
+            inputs, _ = tree_flatten((args, kwargs))
             self.recording.calls.append(OpCall(
                 func, self.ref(tuple(args)), {k: self.ref(v) for k, v in kwargs.items()},
                 [self.ref(o) if isinstance(o, Tensor) else None for o in flat],
+                [self.ref(t) for t in inputs if isinstance(t, Tensor)],
             ))
         return out
 
@@ -132,8 +136,11 @@ def example_call(module: nn.Module) -> tuple[tuple, dict] | None:
         except Exception:  # noqa: BLE001 - a model whose dummy inputs cannot be built has none
             return None
         kwargs = {k: v for k, v in dict(inputs).items() if isinstance(v, Tensor) and "mask" not in k}
-        if "use_cache" in inspect.signature(module.forward).parameters:
+        accepted = inspect.signature(module.forward).parameters
+        if "use_cache" in accepted:
             kwargs["use_cache"] = False
+        if "decoder_input_ids" in accepted and "input_ids" in kwargs:  # an encoder-decoder needs both
+            kwargs.setdefault("decoder_input_ids", kwargs["input_ids"])
         return (), kwargs
     example = getattr(module, "example_input_array", None)
     if example is None:

@@ -171,7 +171,7 @@ class Rules:
             if t is None or (isinstance(d, int) and _dim(d, len(bound["self"].shape)) != t.dim):
                 return [t if o is not None and t is not None and o.shape == bound["self"].shape else None for o in call.outs]
             raise Broken(tagged, f"`aten.{name}` runs along the split dimension")
-        if name in ("native_layer_norm", "layer_norm", "_fused_rms_norm", "rms_norm", "group_norm", "native_group_norm"):
+        if name in ("native_layer_norm", "layer_norm", "_fused_rms_norm", "rms_norm"):  # group norms: no rule
             x = bound.get("input")
             t = self.tag(x)
             normed = len(bound.get("normalized_shape") or ()) or 1

@@ -251,6 +251,8 @@ def _apply_dataflow(module: nn.Module, st: Structure, tp: int) -> None:
         for n, (cols, rows) in enumerate(found.groups):
             cols, rows = [prefix + c for c in cols], [prefix + r for r in rows]
             region = _common_module(cols + rows)
+            while region and isinstance(module.get_submodule(region), (nn.ModuleList, nn.ModuleDict)):
+                region = region.rpartition(".")[0]  # a container has no forward of its own to run as the region
             st.column += cols
             st.row += rows
             st.groups[f"{region}#tp{n}"] = cols + rows

@@ -204,12 +204,19 @@ def reduce_embedding_outputs(module: nn.Module) -> int:
     but a traced graph has no hooks, and a Hugging Face model's next op (``.to(float32)`` in the
     first norm) would carry the partial on without its mask. Replicated embeddings pass unchanged.
     """
+    return _reduce_after(module, lambda sub, graph: [
+        n for n in graph.nodes if n.op == "call_function" and n.target is torch.ops.aten.embedding.default])
+
+
+def _reduce_after(module: nn.Module, select: Any) -> int:
+    """In every traced graph under ``module``, pass each node ``select(sub, graph)`` returns through
+    :func:`_reduced` before its users see it; recompile what changed and return the count."""
     changed = 0
     for sub in module.modules():
         graph = getattr(sub, "graph", None)
         if not isinstance(graph, fx.Graph):
             continue
-        nodes = [n for n in graph.nodes if n.op == "call_function" and n.target is torch.ops.aten.embedding.default]
+        nodes = select(sub, graph)
         for node in nodes:
             with graph.inserting_after(node):
                 reduced = graph.call_function(_reduced, (node,))
@@ -233,12 +240,8 @@ def reduce_row_outputs(module: nn.Module, row_weights: set[int]) -> int:
     own way (measured on HF Llama, tp2 x pp2: 9-10 all-gathers per stage forward, 6-8x the
     minimum). ``row_weights``: ids of the row-parallel weight parameters.
     """
-    changed = 0
-    for sub in module.modules():
-        graph = getattr(sub, "graph", None)
-        if not isinstance(graph, fx.Graph):
-            continue
-        matmuls = []
+    def select(sub: nn.Module, graph: fx.Graph) -> list[fx.Node]:
+        matmuls: list[fx.Node] = []
         for node in graph.nodes:
             if node.op != "get_attr" or id(_fetch(sub, node.target)) not in row_weights:
                 continue
@@ -246,14 +249,9 @@ def reduce_row_outputs(module: nn.Module, row_weights: set[int]) -> int:
             while len(users) == 1 and users[0].op == "call_function" and users[0].target in _WEIGHT_VIEWS:
                 users = list(users[0].users)
             matmuls += [u for u in users if u.op == "call_function" and u not in matmuls]
-        for node in matmuls:
-            with graph.inserting_after(node):
-                reduced = graph.call_function(_reduced, (node,))
-            node.replace_all_uses_with(reduced, delete_user_cb=lambda user, r=reduced: user is not r)
-        if matmuls:
-            _recompile(sub)
-        changed += len(matmuls)
-    return changed
+        return matmuls
+
+    return _reduce_after(module, select)
 
 
 def _fetch(root: nn.Module, target: Any) -> Any:

@@ -150,6 +150,7 @@ class _Pass(Rules):
             return
         self.set(call.output, Tag(len(call.output.shape) - 1, parts, call.name, call.name))
 
+
 def dataflow_groups(recording: Recording, tp: int, candidates: Iterable[str]) -> DataflowGroups:
     """Column/row groups over ``candidates`` (linear names) by the fixed point in the module doc."""
     live = set(candidates)

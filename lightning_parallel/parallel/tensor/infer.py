@@ -205,36 +205,38 @@ def _common_module(names: list[str]) -> str:
     return ".".join(common)
 
 
-def _dataflow_roots(module: nn.Module) -> list[str]:
-    """Outermost submodules (the root included) with inputs to record a forward with."""
-    roots: list[str] = []
+def _dataflow_roots(module: nn.Module) -> list[tuple[str, nn.Module, tuple[tuple, dict]]]:
+    """Outermost submodules (the root included) with inputs to record a forward with, and those inputs."""
+    roots: list[tuple[str, nn.Module, tuple[tuple, dict]]] = []
     for name, mod in module.named_modules():
-        if any(name == r or name.startswith(f"{r}.") or r == "" for r in roots):
+        if any(name == r or name.startswith(f"{r}.") or r == "" for r, _, _ in roots):
             continue
-        if example_call(mod) is not None:
-            roots.append(name)
+        call = example_call(mod)
+        if call is not None:
+            roots.append((name, mod, call))
     return roots
 
 
-# One recording per model (the planner resolves a plan per candidate tp degree): module -> recording.
-_RECORDINGS: weakref.WeakKeyDictionary[nn.Module, Recording] = weakref.WeakKeyDictionary()
+# One recording per model, or why it failed (the planner resolves a plan per candidate tp degree).
+_RECORDINGS: weakref.WeakKeyDictionary[nn.Module, Recording | str] = weakref.WeakKeyDictionary()
 
 
-def _recording(sub: nn.Module) -> Recording:
+def _recording(sub: nn.Module, call: tuple[tuple, dict]) -> Recording | str:
     if sub not in _RECORDINGS:
-        _RECORDINGS[sub] = record_forward(sub, *example_call(sub))  # type: ignore[misc]
+        try:
+            _RECORDINGS[sub] = record_forward(sub, *call)
+        except Exception as error:  # noqa: BLE001 - any failure leaves this root to names and shapes
+            _RECORDINGS[sub] = f"recording a forward failed: {type(error).__name__}: {str(error)[:120]}"
     return _RECORDINGS[sub]
 
 
 def _apply_dataflow(module: nn.Module, st: Structure, tp: int) -> None:
     """Replace the name-found pairs under each recordable root by the dataflow's (module doc)."""
-    for root in _dataflow_roots(module):
-        sub = module.get_submodule(root) if root else module
+    for root, sub, call in _dataflow_roots(module):
         prefix = f"{root}." if root else ""
-        try:
-            recording = _recording(sub)
-        except Exception as error:  # noqa: BLE001 - any failure leaves this root to names and shapes
-            st.method[root] = f"names and shapes (recording a forward failed: {type(error).__name__}: {str(error)[:120]})"
+        recording = _recording(sub, call)
+        if isinstance(recording, str):
+            st.method[root] = f"names and shapes ({recording})"
             continue
         linears = [n for n, m in sub.named_modules() if is_linear_like(m)]
         found = dataflow_groups(recording, tp, linears)

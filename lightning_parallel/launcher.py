@@ -18,11 +18,17 @@ workers (an earlier attempt, whose carried-over state broke tensor-parallel pari
 
 from __future__ import annotations
 
+import codecs
+import faulthandler
 import io
 import multiprocessing as mp
 import os
 import queue
+import signal
 import socket
+import sys
+import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
@@ -32,6 +38,7 @@ from typing import Any
 
 DEFAULT_TIMEOUT_S = 300.0
 FAILED_PEERS_GRACE_S = 15.0  # after one rank fails, how long its peers (often stuck in a collective) get to report
+STDERR_TAIL_CHARS = 6000  # how much of a crashed or killed rank's own stderr its story quotes
 
 _START_METHOD = "spawn"
 """How ranks start: ``spawn``, or ``forkserver`` inside :func:`preloaded_workers`."""
@@ -135,9 +142,73 @@ def run_task(
 
 
 def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...], init_backend: str | None,
-            pg_timeout_s: float, environment: dict[str, str], results: Any) -> None:
-    ok, payload = run_task(rank, world_size, port, fn, args, init_backend, pg_timeout_s, environment)
+            pg_timeout_s: float, environment: dict[str, str], log_path: str, results: Any) -> None:
+    with _stderr_kept_in(log_path):
+        ok, payload = run_task(rank, world_size, port, fn, args, init_backend, pg_timeout_s, environment)
     results.put((rank, ok, payload))
+
+
+@contextmanager
+def _stderr_kept_in(log_path: str) -> Iterator[None]:
+    """Send this rank's stderr (file descriptor 2: Python's and C++'s) to ``log_path``.
+
+    Why: a rank that dies of a signal reports nothing, and what says why (a C++ ``terminate called
+    ... what(): ...``, glibc's heap check, the Python stack ``faulthandler`` prints on SIGABRT or
+    SIGSEGV) went to a stream shared with its peers, interleaved. A regular file keeps what was
+    written even when the process dies; the parent relays it live (:class:`_StderrRelay`) and quotes
+    its end in that rank's story. ``SIGUSR1`` dumps every thread's stack: the parent sends it to a
+    rank it is about to kill for running out of time, so the story of a hang says where it waited."""
+    sys.stderr.flush()
+    with open(log_path, "ab", buffering=0) as log:
+        os.dup2(log.fileno(), 2)
+    faulthandler.enable(all_threads=True)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    yield
+    sys.stderr.flush()
+
+
+class _StderrRelay(threading.Thread):
+    """Copies what the ranks write to their stderr files onto this process's stderr, as it comes."""
+
+    def __init__(self, paths: Sequence[str], interval_s: float = 0.2) -> None:
+        super().__init__(daemon=True)
+        self.paths, self.interval_s = list(paths), interval_s
+        self.offsets = [0] * len(self.paths)
+        self.decoders = [codecs.getincrementaldecoder("utf-8")(errors="replace") for _ in self.paths]
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(self.interval_s):
+            self.relay()
+        self.relay()
+
+    def relay(self) -> None:
+        for i, path in enumerate(self.paths):
+            try:
+                with open(path, "rb") as log:
+                    log.seek(self.offsets[i])
+                    data = log.read()
+            except OSError:  # not created yet
+                continue
+            if data:
+                self.offsets[i] += len(data)
+                sys.stderr.write(self.decoders[i].decode(data))
+                sys.stderr.flush()
+
+    def stop(self) -> None:
+        self.done.set()
+        self.join(timeout=10)
+
+
+def _stderr_tail(log_path: str) -> str:
+    try:
+        with open(log_path, "rb") as log:
+            text = log.read().decode(errors="replace")
+    except OSError:
+        return ""
+    # faulthandler ends its report with every loaded extension module (one line, thousands of characters)
+    text = "\n".join(line for line in text.splitlines() if not line.startswith("Extension modules:"))
+    return text[-STDERR_TAIL_CHARS:]
 
 
 def collect(results: Any, procs: list[Any], world_size: int, timeout: float) -> dict[int, tuple[bool, Any]]:
@@ -172,18 +243,25 @@ def succeeded(outcomes: dict[int, tuple[bool, Any]], world_size: int) -> bool:
     return len(outcomes) == world_size and all(ok for ok, _ in outcomes.values())
 
 
-def results_or_raise(fn: Callable[..., Any], world_size: int, timeout: float, outcomes: dict[int, tuple[bool, Any]]) -> list[Any]:
-    """Every rank's return value, or a :class:`DistributedRunError` telling each rank's story."""
+def results_or_raise(fn: Callable[..., Any], world_size: int, timeout: float, outcomes: dict[int, tuple[bool, Any]],
+                     logs: Sequence[str] = ()) -> list[Any]:
+    """Every rank's return value, or a :class:`DistributedRunError` telling each rank's story.
+
+    A rank that died without reporting, or was killed, is told by the end of its own stderr."""
     if succeeded(outcomes, world_size):
         return [_loads(outcomes[r][1]) for r in range(world_size)]
     lines = [f"distributed run of {getattr(fn, '__name__', fn)} on {world_size} ranks failed:"]
     for r in range(world_size):
+        silent = r not in outcomes or not isinstance(outcomes[r][1], bytes) and "without a result" in outcomes[r][1]
+        tail = _stderr_tail(logs[r]) if silent and r < len(logs) else ""
         if r not in outcomes:
             lines.append(f"--- rank {r}: no result within {timeout:.0f}s (killed)")
         elif not outcomes[r][0]:
             lines.append(f"--- rank {r} failed:\n{outcomes[r][1]}")
         else:
             lines.append(f"--- rank {r}: ok")
+        if tail:
+            lines.append(f"--- rank {r}'s stderr, last {len(tail)} characters:\n{tail}")
     raise DistributedRunError("\n".join(lines))
 
 
@@ -208,24 +286,40 @@ def run_distributed(
     results = ctx.Queue()
     port = free_port()
     pg_timeout_s = pg_timeout_for(timeout)
-    procs = [
-        ctx.Process(target=_worker, args=(rank, world_size, port, fn, args, init_backend, pg_timeout_s, dict(os.environ), results), daemon=False)
-        for rank in range(world_size)
-    ]
-    for proc in procs:
-        proc.start()
-    started = time.monotonic()
-    try:
-        outcomes = collect(results, procs, world_size, timeout)
-    finally:
-        grace = max(0.0, min(5.0, started + timeout - time.monotonic()))
+    with tempfile.TemporaryDirectory(prefix="lp-ranks-") as logs_dir:
+        logs = [os.path.join(logs_dir, f"rank{rank}.stderr") for rank in range(world_size)]
+        procs = [
+            ctx.Process(target=_worker, args=(rank, world_size, port, fn, args, init_backend, pg_timeout_s, dict(os.environ),
+                                              logs[rank], results), daemon=False)
+            for rank in range(world_size)
+        ]
+        relay = _StderrRelay(logs)
+        relay.start()
         for proc in procs:
-            proc.join(timeout=grace)
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=5)
-    return results_or_raise(fn, world_size, timeout, outcomes)
+            proc.start()
+        started = time.monotonic()
+        try:
+            outcomes = collect(results, procs, world_size, timeout)
+        finally:
+            grace = max(0.0, min(5.0, started + timeout - time.monotonic()))
+            for proc in procs:
+                proc.join(timeout=grace)
+            _stop(procs)
+            relay.stop()
+        return results_or_raise(fn, world_size, timeout, outcomes, logs)
+
+
+def _stop(procs: list[Any]) -> None:
+    """Kill the ranks still running, after asking each for its threads' stacks (``SIGUSR1``, see
+    :func:`_stderr_kept_in`) so that the story of a hang says where it waited."""
+    alive = [proc for proc in procs if proc.is_alive()]
+    for proc in alive:
+        os.kill(proc.pid, signal.SIGUSR1)
+    if alive:
+        time.sleep(1.0)
+    for proc in alive:
+        proc.kill()
+        proc.join(timeout=5)
 
 
 def pg_timeout_for(timeout: float) -> float:

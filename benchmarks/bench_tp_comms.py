@@ -47,26 +47,20 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import re
-import sys
 import time
 import traceback
 from collections import defaultdict
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.debug import CommDebugMode
 
 from lightning_parallel.coverage import MODELS as COVERAGE_MODELS
 from lightning_parallel.models.gpt import GPT, Block, CausalSelfAttention
-from lightning_parallel.parallel.blocks import find_repeated_blocks
-from lightning_parallel.parallel.tensor.styles import COLWISE_GATHER, EMBEDDING_ROWWISE
 from lightning_parallel.testing import run_distributed
+from lightning_parallel.testing.comm_counts import MEASURED_STEP, RESULTS
 from lightning_parallel.testing.parity import FitSpec, run_fit
 
 HYBRID = "lightning_parallel:HybridParallelStrategy"
@@ -74,19 +68,6 @@ LAYOUTS: dict[str, tuple[dict[str, Any], int]] = {  # name -> (strategy kwargs, 
     "tp2": ({"tensor_parallel_size": 2}, 2),
     "tp2 x pp2": ({"tensor_parallel_size": 2, "pipeline_parallel_size": 2}, 4),
 }
-MEASURED_STEP = 1  # the second step: the first traces the pipeline stages
-_KINDS = {"all_reduce": "AR", "allreduce_": "AR", "allreduce_coalesced_": "AR", "all_reduce_coalesced": "AR",
-          "all_gather_into_tensor": "AG", "all_gather_into_tensor_coalesced": "AG", "_allgather_base_": "AG",
-          "allgather_": "AG", "allgather_coalesced_": "AG", "allgather_into_tensor_coalesced_": "AG",
-          "reduce_scatter_tensor": "RS", "reduce_scatter_tensor_coalesced": "RS", "_reduce_scatter_base_": "RS",
-          "reduce_scatter_": "RS", "reduce_scatter_tensor_coalesced_": "RS", "all_to_all_single": "A2A",
-          "alltoall_": "A2A", "alltoall_base_": "A2A", "shard_dim_alltoall": "A2A", "broadcast": "BC",
-          "broadcast_": "BC", "send": "send", "recv_": "recv", "recv_any_source_": "recv"}
-_P2P = (torch.ops.c10d.send, torch.ops.c10d.recv_, torch.ops.c10d.recv_any_source_)
-_FUNCTIONAL_NAMESPACES = ("_c10d_functional", "c10d_functional", "_c10d_functional_autograd", "_dtensor")
-_RESULTS: list[dict[str, Any]] = []  # what CommCounter measured in this process (read by _worker)
-
-
 # ---------------------------------------------------------------- a nanoGPT-style GPT (fused c_attn)
 class FusedCausalSelfAttention(CausalSelfAttention):
     """nanoGPT's attention: one ``c_attn`` Linear computing ``[q | k | v]``, split in the forward."""
@@ -130,167 +111,15 @@ def model_specs() -> dict[str, FitSpec]:
     return specs
 
 
-# ---------------------------------------------------------------- counting
-def _payload(value: Any) -> int:
-    flat, _ = torch.utils._pytree.tree_flatten(value)
-    return sum(t.numel() * t.element_size() for t in flat if isinstance(t, Tensor))
-
-
-class BytesCommDebugMode(CommDebugMode):
-    """``CommDebugMode`` that also records, per collective, its bytes, its phase and whether it is a
-    DTensor (functional) collective or a plain ``torch.distributed`` (c10d) one, plus the
-    point-to-point sends and receives ``CommDebugMode`` does not count.
-
-    ``track_modules=False`` leaves out ``CommDebugMode``'s module tracker (global module hooks
-    that also wrap every module's inputs and outputs for backward hooks): the counts are then
-    those of the code as it runs without the benchmark."""
-
-    def __init__(self, track_modules: bool = False) -> None:
-        super().__init__()
-        self.track_modules = track_modules
-        self.phase = "step"  # "step": forward and backward; "after": from on_before_optimizer_step on
-        self.records: list[tuple[str, str, str, int]] = []  # (phase, source, kind, bytes)
-        self.sites: dict[str, int] = defaultdict(int)  # plain torch.distributed calls by kind and caller
-
-    def __enter__(self) -> BytesCommDebugMode:
-        if self.track_modules:
-            return super().__enter__()
-        self.comm_counts.clear()
-        self.advanced_module_tracker.name = "Global"
-        self.advanced_module_tracker.module_parents_dict = {"Global": set()}
-        torch.utils._python_dispatch.TorchDispatchMode.__enter__(self)
-        return self
-
-    def __exit__(self, *args: Any) -> None:
-        if self.track_modules:
-            return super().__exit__(*args)
-        torch.utils._python_dispatch.TorchDispatchMode.__exit__(self, *args)
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        packet = getattr(func, "_overloadpacket", None)
-        before = self.comm_counts.get(NATIVE_TO_PY.get(packet, packet), 0) if packet is not None else 0
-        out = super().__torch_dispatch__(func, types, args, kwargs)
-        if out is NotImplemented or packet is None:
-            return out
-        counted = self.comm_counts.get(NATIVE_TO_PY.get(packet, packet), 0) != before
-        if counted or packet in _P2P:
-            namespace = packet._qualified_op_name.split("::")[0]
-            source = "dtensor" if namespace in _FUNCTIONAL_NAMESPACES else "c10d"
-            phase = self.phase
-            if phase == "step":  # plain calls (pipeline sends, log exchange) run between autograd passes: one phase
-                phase = "step" if source == "c10d" else "bwd" if torch._C._current_graph_task_id() != -1 else "fwd"
-            kind = _KINDS.get(packet.__name__, packet.__name__)
-            self.records.append((phase, source, kind, max(_payload(args), _payload(out))))
-            if source == "c10d":
-                self.sites[f"{kind} at {_call_site()}"] += 1
-        return out
-
-
-def _call_site() -> str:
-    """The innermost caller in lightning_parallel or Lightning (what issued a plain torch.distributed call)."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        name = frame.f_code.co_filename
-        if ("lightning_parallel" in name or "lightning" + os.sep in name) and not name.endswith("bench_tp_comms.py"):
-            short = name.split("site-packages" + os.sep)[-1].split("lightning_parallel" + os.sep)[-1]
-            return f"{short}:{frame.f_code.co_name}"
-        frame = frame.f_back
-    return "?"
-
-
-NATIVE_TO_PY: dict[Any, Any] = dict(torch.distributed.tensor.debug._comm_mode.NATIVE_TO_PY_MAPPING)
-
-
-class CommCounter(pl.Callback):
-    """Counts one training step's collectives (``MEASURED_STEP``) and the minimum for this rank's stage."""
-
-    def __init__(self, model: str, layout: str, track_modules: bool = False) -> None:
-        self.model, self.layout, self.track_modules = model, layout, track_modules
-        self.mode: BytesCommDebugMode | None = None
-        self.minimum: dict[str, Any] = {}
-
-    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        if batch_idx != MEASURED_STEP:
-            return
-        self.minimum = stage_minimum(trainer, pl_module, batch)
-        self.mode = BytesCommDebugMode(self.track_modules)
-        self.mode.__enter__()
-
-    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
-        if self.mode is not None:
-            self.mode.phase = "after"
-
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if self.mode is None:
-            return
-        self.mode.__exit__(None, None, None)
-        counts: dict[str, int] = defaultdict(int)
-        for phase, source, kind, nbytes in self.mode.records:
-            counts[f"{phase}/{source}/{kind}"] += 1
-            counts[f"{phase}/{source}/bytes"] += nbytes
-        modules = {}
-        if self.track_modules:
-            modules = {name: {key: {str(op).split(".")[-1]: n for op, n in ops.items()} for key, ops in entry.items()}
-                       for name, entry in self.mode.comm_module_counts.items()}
-        _RESULTS.append({"model": self.model, "layout": self.layout, "counts": dict(counts), "minimum": self.minimum,
-                         "rank": trainer.global_rank, "modules": modules, "sites": dict(self.mode.sites)})
-        self.mode = None
-
-
-def _under(name: str, prefix: str) -> bool:
-    return name.startswith(prefix + ".")
-
-
-def stage_minimum(trainer: Any, pl_module: nn.Module, batch: Any) -> dict[str, Any]:
-    """The Megatron minimum (module docstring) for what this rank's stage computes, per forward."""
-    strategy = trainer.strategy
-    plan = strategy.tensor_parallel_plan
-    driver = getattr(strategy, "_pipeline", None)
-    dims = strategy.parallel_dims
-    microbatches, first, last = 1, True, True
-    owned: set[str] | None = None
-    if driver is not None:
-        microbatches = int(driver.config.microbatches)
-        pp_rank, pp = dims.axis("pp").get_local_rank(), dims.pp
-        first, last = pp_rank == 0, pp_rank == pp - 1
-        owned = driver.runtime.owned_parameter_names()
-    split = {id(p) for n, p in pl_module.named_parameters() if isinstance(p, DTensor) and (owned is None or n in owned)}
-    modules = dict(pl_module.named_modules())
-
-    def is_split(module: nn.Module) -> bool:
-        return any(id(p) in split for p in module.parameters())
-
-    blocks = find_repeated_blocks(pl_module)
-    # per block: each child (attention, feed-forward) holding a split parameter
-    regions = sum(1 for _, block in blocks for child in block.children() if is_split(child))
-    embeddings = sum(1 for name, style in plan.styles.items() if style == EMBEDDING_ROWWISE and first and is_split(modules[name]))
-    heads = sum(1 for name in plan.lm_heads if plan.styles.get(name) == COLWISE_GATHER and last
-                and not any(_under(name, b) for b, _ in blocks) and is_split(modules[name]))
-    config = getattr(getattr(pl_module, "model", None), "config", None)
-    width = int(getattr(config, "hidden_size", 0) or getattr(pl_module, "n_embd", 0))
-    vocab = int(getattr(config, "vocab_size", 0) or getattr(pl_module, "vocab_size", 0))
-    inputs = batch[0]
-    if inputs.ndim == 4:  # images: ViT's patches plus the class token
-        tokens_per_row = (inputs.shape[-1] // config.patch_size) ** 2 + 1
-    else:
-        tokens_per_row = inputs.shape[1]
-    tokens = inputs.shape[0] * tokens_per_row // microbatches
-    fwd_ar, fwd_ag, bwd_ar = regions + embeddings, heads, regions + heads
-    return {"regions": regions, "embeddings": embeddings, "heads": heads, "fwd_AR": fwd_ar, "fwd_AG": fwd_ag,
-            "bwd_AR": bwd_ar, "bytes": 4 * tokens * (width * (fwd_ar + bwd_ar) + vocab * fwd_ag),
-            "microbatches": microbatches, "stage": "first" if first and not last else "last" if last and not first else "all",
-            "tokens": tokens, "width": width, "vocab": vocab}
-
-
 # ---------------------------------------------------------------- runs
 def _worker(cases: list[tuple[str, str, FitSpec]]) -> list[dict[str, Any]]:
     torch.set_num_threads(1)
     out: list[dict[str, Any]] = []
     for model, layout, spec in cases:
-        _RESULTS.clear()
+        RESULTS.clear()
         try:
             run_fit(spec)
-            out.append(_RESULTS[-1] if _RESULTS else {"model": model, "layout": layout, "error": "nothing measured"})
+            out.append(RESULTS[-1] if RESULTS else {"model": model, "layout": layout, "error": "nothing measured"})
         except Exception as error:  # noqa: BLE001 - reported in the table
             out.append({"model": model, "layout": layout, "error": f"{type(error).__name__}: {error}".splitlines()[0][:200],
                         "trace": traceback.format_exc()[-3000:]})
@@ -301,7 +130,7 @@ def _case(model: str, base: FitSpec, layout: str, track_modules: bool = False) -
     kwargs, devices = LAYOUTS[layout]
     return dataclasses.replace(
         base, strategy={"class": HYBRID, **kwargs}, devices=devices, max_steps=MEASURED_STEP + 1, trainer_kwargs={},
-        callbacks=[(f"{__name__}:CommCounter", {"model": model, "layout": layout, "track_modules": track_modules})],
+        callbacks=[("lightning_parallel.testing.comm_counts:CommCounter", {"model": model, "layout": layout, "track_modules": track_modules})],
     )
 
 

@@ -13,11 +13,16 @@ pure torch, gloo) and holds them to the minimum, per phase:
   gathers the sequence on entry and reduce-scatters its output; backward the reverse), plus the
   all-reduce of every sequence-parallel norm parameter's partial gradient.
 
-``benchmarks/bench_tp_comms.py`` prints the same counts for every coverage model through the Trainer.
+The same minimum holds inside traced pipeline stages (tp2 x pp2, through the Trainer: HF Llama
+and the package's GPT), where the graph has no module hooks and the passes of
+``parallel/pipeline/tensor.py`` place the reductions: each row-parallel output reduced where it is
+computed, each group of column-parallel matmuls' input gradient reduced once where their input is
+made. ``benchmarks/bench_tp_comms.py`` prints the same counts for every coverage model.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from typing import Any
 
@@ -96,3 +101,39 @@ def test_region_input_gradient_reduced_once() -> None:
         "bwd/all_gather_into_tensor": regions + 2,
         "bwd/all_reduce": norm_params,  # sequence-parallel norms: partial parameter gradients
     }, gpt_sp
+
+
+def _stage_counts(specs: list[Any]) -> list[dict[str, Any]]:
+    from lightning_parallel.testing.comm_counts import RESULTS
+    from lightning_parallel.testing.parity import run_fit
+
+    out = []
+    for spec in specs:
+        RESULTS.clear()
+        run_fit(spec)
+        out.append(RESULTS[-1])
+    return out
+
+
+def test_traced_stages_reduce_each_region_once() -> None:
+    from lightning_parallel.coverage import MODELS
+    from lightning_parallel.testing.parity import FitSpec
+
+    gpt = FitSpec(model="lightning_parallel.models:GPT", model_kwargs={"vocab_size": 64, "block_size": 16, "n_layer": 4, "n_head": 4, "n_embd": 32},
+                  data="lightning_parallel.testing.parity:token_data", global_batch=8)
+    layout = {"class": "lightning_parallel:HybridParallelStrategy", "tensor_parallel_size": 2, "pipeline_parallel_size": 2}
+    specs = [dataclasses.replace(base, strategy=layout, devices=4, max_steps=2, trainer_kwargs={},
+                                 callbacks=[("lightning_parallel.testing.comm_counts:CommCounter", {"model": name, "layout": "tp2 x pp2"})])
+             for name, base in (("llama", MODELS["llama"]), ("gpt", gpt))]
+    for rank, (llama, gpt_counts) in enumerate(run_distributed(_stage_counts, 4, specs, init_backend=None, timeout=400)):
+        for name, result in (("llama", llama), ("gpt", gpt_counts)):
+            counts, minimum = result["counts"], result["minimum"]
+            per_forward = {(phase, kind): counts.get(f"{phase}/dtensor/{kind}", 0) / minimum["microbatches"]
+                           for phase, kind in (("fwd", "AR"), ("fwd", "AG"), ("bwd", "AR"))}
+            label = f"{name} rank {rank} ({minimum['stage']} stage): {per_forward} against {minimum}"
+            assert minimum["regions"] == 4, label  # 2 blocks per stage: attention and MLP each
+            assert per_forward["fwd", "AR"] == minimum["fwd_AR"] and per_forward["fwd", "AG"] == minimum["fwd_AG"], label
+            # Llama's last stage receives the rotary cos and sin: torch's pipelining asks a gradient for every
+            # floating input it receives, and each of their 4 uses per block (q and k, cos and sin) reduces its own.
+            rotary = 8 if name == "llama" and minimum["stage"] == "last" else 0
+            assert per_forward["bwd", "AR"] == minimum["bwd_AR"] + rotary, label

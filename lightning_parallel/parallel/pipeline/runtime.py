@@ -196,11 +196,17 @@ class PipelineRuntime:
         (:mod:`lightning_parallel.parallel.pipeline.codegen`), once: after tensor and expert parallelism have changed the stages
         (their hooks keep a call in place) and before ZeRO wraps them (the pipeline driver calls it
         there), or at the first step. Returns (calls inlined, operator calls rebound); (0, 0) after
-        the first time."""
+        the first time. Then tensor parallelism's passes that need one graph per stage
+        (``TensorParallelStageForward.after_inlining``: q, k and v meet their shared input there)."""
         if self._code_final:
             return 0, 0
         self._code_final = True
-        return lean_stage_code(self.stage_modules())
+        counts = lean_stage_code(self.stage_modules())
+        for stage in self.stage_modules():
+            after = getattr(stage.__dict__.get("forward"), "after_inlining", None)  # tensor parallelism's last pass
+            if after is not None:
+                after(stage)
+        return counts
 
     def train_step(self, *args: Any, target: Any = None, broadcast_loss: bool = True, **kwargs: Any) -> Tensor:
         """Forward and backward of one batch through the pipeline; returns the full-batch loss on every rank

@@ -53,7 +53,7 @@ from lightning_parallel.parallel.tensor.attention import ReplicateMixedMode, ful
 from lightning_parallel.parallel.tensor.fused import packed_placement
 from lightning_parallel.parallel.tensor.plan import TensorParallelPlan
 from lightning_parallel.parallel.tensor.shards import plan_param_shard
-from lightning_parallel.parallel.tensor.styles import ROWWISE, ROWWISE_SPLIT_INPUT
+from lightning_parallel.parallel.tensor.styles import COLWISE, COLWISE_GATHER, PACKED_COLWISE, ROWWISE, ROWWISE_SPLIT_INPUT
 
 
 def parameter_placements(module: nn.Module, plan: TensorParallelPlan) -> dict[str, list[Placement]]:
@@ -89,9 +89,15 @@ class TensorParallelStageForward:
     An object rather than a closure so that the wrapped module stays picklable and inspectable.
     """
 
-    def __init__(self, module: nn.Module, mesh: DeviceMesh) -> None:
+    def __init__(self, module: nn.Module, mesh: DeviceMesh, column_weights: set[int] = frozenset()) -> None:  # type: ignore[assignment]
         self.original = module.forward
         self.force_math = mesh.device_type == "cpu"  # no DTensor rule for the CPU flash kernel
+        self.column_weights = set(column_weights)
+
+    def after_inlining(self, module: nn.Module) -> int:
+        """What needs the stage's submodule calls inlined (one graph, where q, k and v meet their
+        shared input): one input-gradient reduction per group of column-parallel matmuls."""
+        return reduce_column_input_gradients(module, self.column_weights)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         args, kwargs = tree_map(_settled, (args, kwargs))
@@ -240,18 +246,88 @@ def reduce_row_outputs(module: nn.Module, row_weights: set[int]) -> int:
     own way (measured on HF Llama, tp2 x pp2: 9-10 all-gathers per stage forward, 6-8x the
     minimum). ``row_weights``: ids of the row-parallel weight parameters.
     """
-    def select(sub: nn.Module, graph: fx.Graph) -> list[fx.Node]:
-        matmuls: list[fx.Node] = []
-        for node in graph.nodes:
-            if node.op != "get_attr" or id(_fetch(sub, node.target)) not in row_weights:
-                continue
-            users = list(node.users)
-            while len(users) == 1 and users[0].op == "call_function" and users[0].target in _WEIGHT_VIEWS:
-                users = list(users[0].users)
-            matmuls += [u for u in users if u.op == "call_function" and u not in matmuls]
-        return matmuls
+    return _reduce_after(module, lambda sub, graph: _weight_users(sub, graph, row_weights))
 
-    return _reduce_after(module, select)
+
+_VIEWS = (torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default)
+
+
+def _gradient_reduced(x: Any, weight: Any) -> Any:
+    """``x`` as a replicated DTensor whose gradient leaves here replicated (reduced once); anything else as it is.
+
+    ``from_local``'s backward redistributes the gradient to the placements given (replicated), so a
+    pending sum arriving from the column-parallel matmuls is all-reduced once, here. A plain tensor
+    (the stage's input, or a norm computed on it before any DTensor) joins on ``weight``'s mesh:
+    left to each matmul, it would join once per projection, each with its own reduction."""
+    if isinstance(x, DTensor):
+        if not all(p.is_replicate() for p in x.placements):
+            return x
+        return DTensor.from_local(x.to_local(), x.device_mesh, x.placements, run_check=False)
+    if not (isinstance(x, Tensor) and isinstance(weight, DTensor) and x.is_floating_point()):
+        return x  # a weight kept whole (not this rank's, or not split): nothing to reduce
+    mesh = weight.device_mesh
+    return DTensor.from_local(x, mesh, [Replicate()] * mesh.ndim, run_check=False)
+
+
+def reduce_column_input_gradients(module: nn.Module, column_weights: set[int]) -> int:
+    """Reduce the input gradient of each group of column-parallel matmuls where their input is made; return how many.
+
+    Why: a column-parallel matmul's input gradient is a pending (``Partial``) sum. Eager tensor
+    parallelism reduces it once at the region's input (q, k and v, or gate and up, share one
+    input: their gradients are summed first, Megatron's one backward all-reduce per region).
+    In a traced stage DTensor's propagation carries the pending gradient on through the norm
+    before the region, whose weight gradient then needs an all-reduce of its own (measured on HF
+    Llama, tp2 x pp2: 4 backward all-reduces per block where the minimum is 2). Reduced here, the
+    norm, the residual and the previous region's output see a replicated gradient.
+    ``column_weights``: ids of the column-parallel weight parameters. Matmuls that read their input
+    through views of one node (``view(h)`` per projection) share the reduction at that node.
+    """
+    def select(sub: nn.Module, graph: fx.Graph) -> list[tuple[fx.Node, set[fx.Node], fx.Node]]:
+        inputs: dict[fx.Node, tuple[set[fx.Node], fx.Node]] = {}
+        for matmul in _weight_users(sub, graph, column_weights):
+            weight = next(a for a in matmul.all_input_nodes if a.op == "get_attr" or a.target in _WEIGHT_VIEWS)
+            while weight.op != "get_attr":
+                weight = weight.all_input_nodes[0]
+            for arg in matmul.args:
+                if not isinstance(arg, fx.Node) or arg.op == "get_attr" or arg.target in _WEIGHT_VIEWS:
+                    continue
+                reader = matmul
+                while arg.op == "call_function" and arg.target in _VIEWS and len(arg.users) == 1:
+                    arg, reader = arg.args[0], arg  # type: ignore[assignment]
+                inputs.setdefault(arg, (set(), weight))[0].add(reader)
+                break
+        return [(node, readers, weight) for node, (readers, weight) in inputs.items()]
+
+    changed = 0
+    for sub in module.modules():
+        graph = getattr(sub, "graph", None)
+        if not isinstance(graph, fx.Graph):
+            continue
+        groups = select(sub, graph)
+        order = {node: i for i, node in enumerate(graph.nodes)}
+        for node, readers, weight in groups:
+            # Before the first reader (the input may be a placeholder), with the weight read again there for its mesh.
+            with graph.inserting_before(min(readers, key=order.__getitem__)):
+                mesh_of = graph.get_attr(weight.target)
+                reduced = graph.call_function(_gradient_reduced, (node, mesh_of))
+            node.replace_all_uses_with(reduced, delete_user_cb=lambda user, r=readers: user in r)
+        if groups:
+            _recompile(sub)
+        changed += len(groups)
+    return changed
+
+
+def _weight_users(sub: nn.Module, graph: fx.Graph, weights: set[int]) -> list[fx.Node]:
+    """The ops of ``graph`` that read one of ``weights`` (by id), directly or through a transpose."""
+    matmuls: list[fx.Node] = []
+    for node in graph.nodes:
+        if node.op != "get_attr" or id(_fetch(sub, node.target)) not in weights:
+            continue
+        users = list(node.users)
+        while len(users) == 1 and users[0].op == "call_function" and users[0].target in _WEIGHT_VIEWS:
+            users = list(users[0].users)
+        matmuls += [u for u in users if u.op == "call_function" and u not in matmuls]
+    return matmuls
 
 
 def _fetch(root: nn.Module, target: Any) -> Any:
@@ -309,13 +385,15 @@ def apply_stage_tensor_parallel(
     replace_parameters([module, *stage_modules], {key: new for key, (_, new) in replaced.items()})
     rows = {n for n, s in plan.styles.items() if s in (ROWWISE, ROWWISE_SPLIT_INPUT)}
     row_weights = {id(p) for n, p in module.named_parameters() if n.rpartition(".")[0] in rows and n.endswith("weight")}
+    columns = {n for n, s in plan.styles.items() if s in (COLWISE, COLWISE_GATHER, PACKED_COLWISE)}
+    column_weights = {id(p) for n, p in module.named_parameters() if n.rpartition(".")[0] in columns and n.endswith("weight")}
     for stage_module in stage_modules:
         if not isinstance(stage_module.__dict__.get("forward"), TensorParallelStageForward):
             views_to_reshapes(stage_module)
             drop_metadata_asserts(stage_module)
             reduce_embedding_outputs(stage_module)
             reduce_row_outputs(stage_module, row_weights)
-            stage_module.forward = TensorParallelStageForward(stage_module, tp_mesh)  # type: ignore[method-assign]
+            stage_module.forward = TensorParallelStageForward(stage_module, tp_mesh, column_weights)  # type: ignore[method-assign]
     return dict(replaced.values())
 
 

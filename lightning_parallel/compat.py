@@ -251,6 +251,27 @@ def op_arguments(op: Any) -> list[Any]:
     return list(op._schema.arguments)
 
 
+def in_backward() -> bool:
+    """``torch._C._current_graph_task_id() != -1``: whether an autograd backward pass is running on this thread.
+
+    Why: the collective counter (testing/comm_counts.py) tells a forward collective from a backward
+    one. Since: 1.13. Public: none.
+    """
+    return torch._C._current_graph_task_id() != -1
+
+
+def comm_mode_native_ops() -> dict[Any, Any]:
+    """``torch.distributed.tensor.debug._comm_mode.NATIVE_TO_PY_MAPPING``: c10d op -> the functional
+    collective ``CommDebugMode`` counts it under.
+
+    Why: the collective counter reads ``CommDebugMode``'s counts for a plain torch.distributed call.
+    Since: 2.4. Public: none (``CommDebugMode.get_comm_counts`` reports the mapped names).
+    """
+    from torch.distributed.tensor.debug import _comm_mode
+
+    return dict(_comm_mode.NATIVE_TO_PY_MAPPING)
+
+
 def local_tensor(tensor: Any) -> Tensor | None:
     """``DTensor._local_tensor``: this rank's shard without an autograd edge, or None for a plain tensor.
 
@@ -427,6 +448,8 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
     PrivateApi("run_generated_code", "torch.export.unflatten:InterpreterModule", "2.4", "none"),
     PrivateApi("schedule_stages", "torch.distributed.pipelining.schedules:PipelineScheduleSingle", "2.4", "none yet"),
     PrivateApi("local_tensor", "torch.distributed.tensor:DTensor._local_tensor", "2.5", "DTensor.to_local()"),
+    PrivateApi("in_backward", "torch:_C._current_graph_task_id", "1.13", "none"),
+    PrivateApi("comm_mode_native_ops", "torch.distributed.tensor.debug._comm_mode:NATIVE_TO_PY_MAPPING", "2.4", "none"),
     PrivateApi("functional_collectives", "torch.distributed._functional_collectives:all_reduce", "2.4", "none yet"),
     PrivateApi("templated_ring_attention", "torch.distributed.tensor.experimental._context_parallel._attention:"
                "_templated_ring_attention", "2.12", "torch.distributed.tensor.experimental.context_parallel"),
@@ -463,7 +486,7 @@ __all__ = [
     "checkpoint_module", "compute_local_shape_and_global_offset", "ddp_ignore", "device_constructors",
     "flash_attention_ops", "flatten_mesh", "foreach_norm", "functional_collectives", "global_module_hooks", "litdata_env_class",
     "litdata_wrapped_datasets", "local_tensor", "modify_graph_op_device", "module_has_hooks",
-    "multihead_attention_init", "op_arguments", "parse_to", "parse_to_device", "process_group_device",
+    "multihead_attention_init", "op_arguments", "in_backward", "comm_mode_native_ops", "parse_to", "parse_to_device", "process_group_device",
     "resolve_process_group", "run_generated_code", "set_fsdp_unshard_async",
     "schedule_stages", "templated_ring_attention", "templated_ring_attention_backward", "torch_ring_rotation", "tree_flatten", "tree_leaves", "tree_map", "tree_unflatten", "unflatten_mesh",
     "TorchDispatchMode",

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 
+from lightning_parallel.compat import TorchDispatchMode, comm_mode_native_ops, in_backward, tree_flatten
 from lightning_parallel.parallel.tensor.styles import COLWISE_GATHER, EMBEDDING_ROWWISE, EXPERTS, ROWWISE, ROWWISE_SPLIT_INPUT
 
 MEASURED_STEP = 1  # the second step: the first traces the pipeline stages
@@ -36,7 +37,7 @@ _FUNCTIONAL_NAMESPACES = ("_c10d_functional", "c10d_functional", "_c10d_function
 RESULTS: list[dict[str, Any]] = []  # what CommCounter measured in this process (read by the caller)
 
 def _payload(value: Any) -> int:
-    flat, _ = torch.utils._pytree.tree_flatten(value)
+    flat, _ = tree_flatten(value)
     return sum(t.numel() * t.element_size() for t in flat if isinstance(t, Tensor))
 
 
@@ -62,27 +63,27 @@ class BytesCommDebugMode(CommDebugMode):
         self.comm_counts.clear()
         self.advanced_module_tracker.name = "Global"
         self.advanced_module_tracker.module_parents_dict = {"Global": set()}
-        torch.utils._python_dispatch.TorchDispatchMode.__enter__(self)
+        TorchDispatchMode.__enter__(self)
         return self
 
     def __exit__(self, *args: Any) -> None:
         if self.track_modules:
             return super().__exit__(*args)
-        torch.utils._python_dispatch.TorchDispatchMode.__exit__(self, *args)
+        TorchDispatchMode.__exit__(self, *args)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        packet = getattr(func, "_overloadpacket", None)
+        packet = getattr(func, "overloadpacket", None)
         before = self.comm_counts.get(NATIVE_TO_PY.get(packet, packet), 0) if packet is not None else 0
         out = super().__torch_dispatch__(func, types, args, kwargs)
         if out is NotImplemented or packet is None:
             return out
         counted = self.comm_counts.get(NATIVE_TO_PY.get(packet, packet), 0) != before
         if counted or packet in _P2P:
-            namespace = packet._qualified_op_name.split("::")[0]
+            namespace = func.namespace
             source = "dtensor" if namespace in _FUNCTIONAL_NAMESPACES else "c10d"
             phase = self.phase
             if phase == "step":  # plain calls (pipeline sends, log exchange) run between autograd passes: one phase
-                phase = "step" if source == "c10d" else "bwd" if torch._C._current_graph_task_id() != -1 else "fwd"
+                phase = "step" if source == "c10d" else "bwd" if in_backward() else "fwd"
             kind = _KINDS.get(packet.__name__, packet.__name__)
             self.records.append((phase, source, kind, max(_payload(args), _payload(out))))
             if source == "c10d":
@@ -102,7 +103,7 @@ def _call_site() -> str:
     return "?"
 
 
-NATIVE_TO_PY: dict[Any, Any] = dict(torch.distributed.tensor.debug._comm_mode.NATIVE_TO_PY_MAPPING)
+NATIVE_TO_PY: dict[Any, Any] = comm_mode_native_ops()
 
 
 class CommCounter(pl.Callback):

@@ -249,7 +249,7 @@ def reduce_row_outputs(module: nn.Module, row_weights: set[int]) -> int:
     return _reduce_after(module, lambda sub, graph: _weight_users(sub, graph, row_weights))
 
 
-_VIEWS = (torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default)
+_VIEWS = (torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.reshape, torch.Tensor.view)
 
 
 def _gradient_reduced(x: Any, weight: Any) -> Any:

@@ -89,7 +89,7 @@ class TensorParallelStageForward:
     An object rather than a closure so that the wrapped module stays picklable and inspectable.
     """
 
-    def __init__(self, module: nn.Module, mesh: DeviceMesh, column_weights: set[int] = frozenset()) -> None:  # type: ignore[assignment]
+    def __init__(self, module: nn.Module, mesh: DeviceMesh, column_weights: Iterable[int] = ()) -> None:
         self.original = module.forward
         self.force_math = mesh.device_type == "cpu"  # no DTensor rule for the CPU flash kernel
         self.column_weights = set(column_weights)
@@ -214,23 +214,32 @@ def reduce_embedding_outputs(module: nn.Module) -> int:
         n for n in graph.nodes if n.op == "call_function" and n.target is torch.ops.aten.embedding.default])
 
 
-def _reduce_after(module: nn.Module, select: Any) -> int:
-    """In every traced graph under ``module``, pass each node ``select(sub, graph)`` returns through
-    :func:`_reduced` before its users see it; recompile what changed and return the count."""
+def _each_graph(module: nn.Module, rewrite: Any) -> int:
+    """Call ``rewrite(sub, graph)`` (returning how many changes it made) on every traced graph under
+    ``module``; recompile what changed and return the total."""
     changed = 0
     for sub in module.modules():
         graph = getattr(sub, "graph", None)
-        if not isinstance(graph, fx.Graph):
-            continue
+        if isinstance(graph, fx.Graph):
+            count = rewrite(sub, graph)
+            if count:
+                _recompile(sub)
+            changed += count
+    return changed
+
+
+def _reduce_after(module: nn.Module, select: Any) -> int:
+    """In every traced graph under ``module``, pass each node ``select(sub, graph)`` returns through
+    :func:`_reduced` before its users see it; recompile what changed and return the count."""
+    def rewrite(sub: nn.Module, graph: fx.Graph) -> int:
         nodes = select(sub, graph)
         for node in nodes:
             with graph.inserting_after(node):
                 reduced = graph.call_function(_reduced, (node,))
             node.replace_all_uses_with(reduced, delete_user_cb=lambda user, r=reduced: user is not r)
-        if nodes:
-            _recompile(sub)
-        changed += len(nodes)
-    return changed
+        return len(nodes)
+
+    return _each_graph(module, rewrite)
 
 
 _WEIGHT_VIEWS = (torch.ops.aten.t.default, torch.ops.aten.transpose.int, torch.ops.aten.permute.default)
@@ -249,7 +258,7 @@ def reduce_row_outputs(module: nn.Module, row_weights: set[int]) -> int:
     return _reduce_after(module, lambda sub, graph: _weight_users(sub, graph, row_weights))
 
 
-_VIEWS = (torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.reshape, torch.Tensor.view)
+_VIEWS = (torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.reshape)  # the last after use_python_bindings
 
 
 def _gradient_reduced(x: Any, weight: Any) -> Any:
@@ -298,11 +307,7 @@ def reduce_column_input_gradients(module: nn.Module, column_weights: set[int]) -
                 break
         return [(node, readers, weight) for node, (readers, weight) in inputs.items()]
 
-    changed = 0
-    for sub in module.modules():
-        graph = getattr(sub, "graph", None)
-        if not isinstance(graph, fx.Graph):
-            continue
+    def rewrite(sub: nn.Module, graph: fx.Graph) -> int:
         groups = select(sub, graph)
         order = {node: i for i, node in enumerate(graph.nodes)}
         for node, readers, weight in groups:
@@ -311,10 +316,9 @@ def reduce_column_input_gradients(module: nn.Module, column_weights: set[int]) -
                 mesh_of = graph.get_attr(weight.target)
                 reduced = graph.call_function(_gradient_reduced, (node, mesh_of))
             node.replace_all_uses_with(reduced, delete_user_cb=lambda user, r=readers: user in r)
-        if groups:
-            _recompile(sub)
-        changed += len(groups)
-    return changed
+        return len(groups)
+
+    return _each_graph(module, rewrite)
 
 
 def _weight_users(sub: nn.Module, graph: fx.Graph, weights: set[int]) -> list[fx.Node]:

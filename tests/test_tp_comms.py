@@ -133,7 +133,9 @@ def test_traced_stages_reduce_each_region_once() -> None:
             label = f"{name} rank {rank} ({minimum['stage']} stage): {per_forward} against {minimum}"
             assert minimum["regions"] == 4, label  # 2 blocks per stage: attention and MLP each
             assert per_forward["fwd", "AR"] == minimum["fwd_AR"] and per_forward["fwd", "AG"] == minimum["fwd_AG"], label
-            # Llama's last stage receives the rotary cos and sin: torch's pipelining asks a gradient for every
-            # floating input it receives, and each of their 4 uses per block (q and k, cos and sin) reduces its own.
-            rotary = 8 if name == "llama" and minimum["stage"] == "last" else 0
-            assert per_forward["bwd", "AR"] == minimum["bwd_AR"] + rotary, label
+            assert per_forward["bwd", "AR"] == minimum["bwd_AR"], label
+            if minimum["stage"] == "last":
+                # One gradient sent back per microbatch: the hidden states. Llama's cut also carries the rotary
+                # cos and sin, which carry none (parallel/pipeline/cut_grads.py); torch's default sent 3 and
+                # reduced each use of cos and sin under tp (13 backward all-reduces per microbatch, minimum 5).
+                assert counts.get("step/c10d/send", 0) / minimum["microbatches"] == 1, f"{label}: {counts}"

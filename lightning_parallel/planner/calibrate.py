@@ -211,7 +211,10 @@ def derive(measured: dict[str, Any]) -> dict[str, Any]:
     world = int(measured["world"])
     frac = (world - 1) / world
     latency = max(1e-6, measured["all_reduce_small"] / 2)
-    ar_time = max(1e-9, measured["all_reduce_large"] - 2 * latency)
+    # A large all-reduce is bandwidth-bound: at most half of it is charged to latency. On a loaded
+    # machine the small all-reduce's time can reach the large one's (CI, 2 shared cores: 2.06 ms),
+    # and subtracting it whole left 1e-9 s, a bandwidth of 2e15 B/s that ranked every layout wrong.
+    ar_time = max(measured["all_reduce_large"] - 2 * latency, measured["all_reduce_large"] / 2, 1e-9)
     bandwidth = 2 * frac * LARGE_BYTES / ar_time
 
     def gather_scale(kind: str, full_bytes: float) -> float:

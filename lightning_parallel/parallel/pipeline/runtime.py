@@ -43,6 +43,7 @@ from lightning_parallel.compat import GraphPipelineStage as _PipelineStage, sche
 from lightning_parallel.parallel.clip import total_norm
 from lightning_parallel.parallel.errors import config_error
 from lightning_parallel.parallel.pipeline.codegen import lean_stage_code
+from lightning_parallel.parallel.pipeline.cut_grads import resolve_cut_gradients, stage_dependencies
 from lightning_parallel.parallel.pipeline.plan import PipelinePlan
 from lightning_parallel.parallel.pipeline.tensor import full_value, local_part
 from lightning_parallel.parallel.pipeline.schedules import (
@@ -315,6 +316,7 @@ def build_pipeline(
             ValueError, "virtual_stages", plan.virtual_stages, f"a {plan.style} plan does not fit schedule {schedule.name!r} ({schedule.style})", "plan with style=schedule.style and its virtual stages"
         )
     local = plan.stages_for_rank(dist.get_rank(pg))
+    dependencies: dict[int, Any] = {}
     if traced is None:
         if example_args is None:
             raise config_error(TypeError, "example_args", None, "tracing needs one example batch of forward inputs", "pass example_args (or a TracedPipeline as traced=)")
@@ -324,11 +326,15 @@ def build_pipeline(
         traced = trace_pipeline(module, example_args, example_kwargs, plan=plan, microbatches=microbatches, build_eval=build_eval,
                                 checkpoint_blocks=checkpoint_blocks, local_stages=local)
         cut = [stage_interface(p) for p in (traced.train, traced.eval) if p is not None]
-        cuts: list[Any] = [None] * dist.get_world_size(pg)
-        dist.all_gather_object(cuts, cut, group=pg)
-        if any(c != cut for c in cuts):
+        mine = {k: stage_dependencies(traced.train.get_stage_module(k)) for k in local}  # what each output depends on
+        gathered: list[Any] = [None] * dist.get_world_size(pg)
+        dist.all_gather_object(gathered, (cut, mine), group=pg)
+        if any(c != cut for c, _ in gathered):
             traced = trace_pipeline(module, example_args, example_kwargs, plan=plan, microbatches=microbatches, build_eval=build_eval,
                                     checkpoint_blocks=checkpoint_blocks)
+            dependencies = {k: stage_dependencies(traced.train.get_stage_module(k)) for k in range(len(plan.stages))}
+        else:
+            dependencies = {k: d for _, theirs in gathered for k, d in theirs.items()}
     elif traced.plan.split_points != plan.split_points:
         raise config_error(ValueError, "traced", list(traced.plan.split_points), f"it was cut at other split points than the plan ({list(plan.split_points)})", "trace with this plan")
     elif not traced.traces_whole(local):
@@ -341,7 +347,10 @@ def build_pipeline(
     for k, names in enumerate(traced.holders_by_stage):
         for name in names:
             holders.setdefault(name, set()).add(plan.stages[k].rank)
-    train_stages = [build_stage(traced.train, k, dev, pg) for k in local]
+    # Which values crossing a cut carry gradients (parallel/pipeline/cut_grads.py): known alike on every rank when
+    # it traced here (exchanged above); a given trace keeps torch's default (every floating value), as its peers will.
+    grads = resolve_cut_gradients(traced.train, dependencies) if len(dependencies) == len(plan.stages) else {}
+    train_stages = [build_stage(traced.train, k, dev, pg, grads.get(k)) for k in local]
     eval_stages = [build_stage(traced.eval, k, dev, pg) for k in local] if build_eval and traced.eval is not None else None
     return PipelineRuntime(
         module, plan, schedule, pg, microbatches, traced.microbatch_size, train_stages, eval_stages, loss_fn, loss_reduction, holders,

@@ -261,6 +261,10 @@ def _contiguous_meta(meta: Any) -> Any:
     return dataclasses.replace(meta, stride=torch.empty(meta.shape, device="meta").stride())
 
 
+def _without_grad(meta: Any) -> Any:
+    return dataclasses.replace(meta, requires_grad=False) if meta is not None and hasattr(meta, "requires_grad") else meta
+
+
 def _contiguous_ops(ops: list[dist.P2POp]) -> list[dist.P2POp]:
     for op in ops:
         if isinstance(op.tensor, Tensor) and not op.tensor.is_contiguous():
@@ -285,6 +289,10 @@ class TracedStage(GraphPipelineStage):
       no handshake.
     """
 
+    def __init__(self, *args: Any, cut_grads: tuple[list[bool], list[bool]] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.cut_grads = cut_grads  # (inputs, outputs) that carry a gradient (parallel/pipeline/cut_grads.py); None: all floating ones
+
     def _get_init_p2p_neighbors_ops(self) -> list[dist.P2POp]:
         me = self.group_rank
         ops = super()._get_init_p2p_neighbors_ops()
@@ -292,17 +300,24 @@ class TracedStage(GraphPipelineStage):
 
     def _create_act_recv_info(self) -> tuple[Any, ...]:
         infos = super()._create_act_recv_info()
-        for info in infos:
+        for i, info in enumerate(infos):
             if info.buffer is not None and not info.buffer.is_contiguous():
                 grad = info.buffer.requires_grad
                 info.buffer = torch.empty(info.buffer.shape, dtype=info.buffer.dtype, device=info.buffer.device).requires_grad_(grad)
                 info.tensor_meta = _contiguous_meta(info.tensor_meta)
+            if self.cut_grads is not None and not self.cut_grads[0][i] and info.buffer is not None:
+                # No gradient for it: none is computed, none sent back (its sender posts no receive).
+                info.buffer.requires_grad_(False)
+                info.tensor_meta = _without_grad(info.tensor_meta)
         return infos
 
     def _create_act_send_info(self) -> dict[int, list[Any]]:
         info = super()._create_act_send_info()
         # The next stage's gradient for each output arrives in a buffer allocated from these.
-        self._stage_meta.outputs = tuple(_contiguous_meta(m) for m in self._stage_meta.outputs)
+        metas = [_contiguous_meta(m) for m in self._stage_meta.outputs]
+        if self.cut_grads is not None and not self.is_last:  # an output nobody differentiates: no gradient receive posted for it
+            metas = [m if needs else _without_grad(m) for m, needs in zip(metas, self.cut_grads[1], strict=True)]
+        self._stage_meta.outputs = tuple(metas)
         return info
 
     def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
@@ -312,9 +327,10 @@ class TracedStage(GraphPipelineStage):
         return _contiguous_ops(super().get_bwd_send_ops(bwd_chunk_id))
 
 
-def build_stage(pipe: Pipe, index: int, device: torch.device, group: dist.ProcessGroup) -> GraphPipelineStage:
+def build_stage(pipe: Pipe, index: int, device: torch.device, group: dist.ProcessGroup,
+                cut_grads: tuple[list[bool], list[bool]] | None = None) -> GraphPipelineStage:
     """``Pipe.build_stage`` with :class:`TracedStage` (same steps: device fix-up, then the stage)."""
     stage_module = pipe.get_stage_module(index)
     if isinstance(stage_module, fx.GraphModule):
         modify_graph_op_device(stage_module, device)
-    return TracedStage(stage_module, index, pipe.info(), device, group)
+    return TracedStage(stage_module, index, pipe.info(), device, group, cut_grads=cut_grads)

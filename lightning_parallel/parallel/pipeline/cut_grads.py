@@ -59,6 +59,11 @@ def _trainable(module: nn.Module, target: str) -> bool:
         return False
 
 
+def _with_parameters(dep: Dep, module: nn.Module) -> Dep:
+    """``dep``, depending on a parameter too if ``module`` holds a trainable one (a call not read op by op)."""
+    return dep[0], dep[1] or any(p.requires_grad for p in module.parameters())
+
+
 def _opaque(node: fx.Node) -> bool:
     """An op whose parameters the graph may not show (a custom op, a higher-order op): assume it has some."""
     namespace = getattr(node.target, "namespace", None)  # an OpOverload's library; "higher_order" for those ops
@@ -82,8 +87,7 @@ def _run(module: nn.Module, inputs: list[Any]) -> tuple[dict[fx.Node, Any], fx.N
         elif node.op == "call_module" and not node.kwargs:
             env[node] = _module_values(module.get_submodule(str(node.target)), [env[a] if isinstance(a, fx.Node) else None for a in node.args])
         elif node.op == "call_module":  # keyword inputs: everything it reads, and its own parameters
-            dep = _union(env[a] for a in node.all_input_nodes)
-            env[node] = dep[0], dep[1] or any(p.requires_grad for p in module.get_submodule(str(node.target)).parameters())
+            env[node] = _with_parameters(_union(env[a] for a in node.all_input_nodes), module.get_submodule(str(node.target)))
         elif node.op == "call_function" and _opaque(node):
             env[node] = _union(env[a] for a in node.all_input_nodes)[0], True
         else:
@@ -96,8 +100,7 @@ def _run(module: nn.Module, inputs: list[Any]) -> tuple[dict[fx.Node, Any], fx.N
 def _module_values(module: nn.Module, inputs: list[Any]) -> Any:
     """What ``module`` returns, as :data:`Dep` values shaped like its output (lists for tuples), given its inputs'."""
     if not isinstance(getattr(module, "graph", None), fx.Graph):  # a leaf module: its inputs and its own trainable parameters
-        dep = _union(inputs)
-        return dep[0], dep[1] or any(p.requires_grad for p in module.parameters())
+        return _with_parameters(_union(inputs), module)
     env, output = _run(module, inputs)
 
     def shaped(arg: Any) -> Any:
@@ -130,22 +133,18 @@ def resolve_cut_gradients(pipe: Pipe, deps: dict[int, StageDeps]) -> dict[int, t
     graph = pipe.split_gm.graph
     stages = [n for n in graph.nodes if n.op == "call_module"]
     index = {n: i for i, n in enumerate(stages)}
-    outputs: dict[int, list[bool]] = {}
     result: dict[int, tuple[list[bool], list[bool]]] = {}
 
-    def source(arg: Any) -> bool:
+    def source(arg: Any) -> bool:  # stages run in graph order: a sender's flags are known before its receiver's
         if isinstance(arg, fx.Node) and arg.op == "call_function" and arg.target is operator.getitem and arg.args[0] in index:
-            return outputs[index[arg.args[0]]][arg.args[1]]  # type: ignore[index]
+            return result[index[arg.args[0]]][1][arg.args[1]]  # type: ignore[index]
         if isinstance(arg, fx.Node) and arg in index:
-            return outputs[index[arg]][0]
+            return result[index[arg]][1][0]
         return False  # a forward input of the model (or a constant)
 
-    for node in stages:
-        k = index[node]
+    for k, node in enumerate(stages):
         needs_in = [source(a) for a in node.args]
-        needs_out = [param or any(needs_in[i] for i in inputs if i < len(needs_in)) for inputs, param in deps[k]]
-        outputs[k] = needs_out
-        result[k] = (needs_in, needs_out)
+        result[k] = (needs_in, [param or any(needs_in[i] for i in inputs if i < len(needs_in)) for inputs, param in deps[k]])
     return result
 
 

@@ -139,3 +139,31 @@ def test_traced_stages_reduce_each_region_once() -> None:
                 # cos and sin, which carry none (parallel/pipeline/cut_grads.py); torch's default sent 3 and
                 # reduced each use of cos and sin under tp (13 backward all-reduces per microbatch, minimum 5).
                 assert counts.get("step/c10d/send", 0) / minimum["microbatches"] == 1, f"{label}: {counts}"
+
+
+def test_packed_projections_and_experts_reduce_once() -> None:
+    """Hugging Face's own classes through the Trainer, at the minimum with no other DTensor collective:
+    GPT-2's packed ``c_attn`` (weight and bias split per part: no gather of the bias gradient) under
+    tp2 and tp2 x pp2 (its tied embedding and head exchange their gradient shard, not the gathered
+    whole), Mixtral's split experts under tp2 (the hidden states' and routing weights' gradients
+    summed in one all-reduce, not two)."""
+    from lightning_parallel.coverage import MODELS
+
+    def spec(name: str, layout: str) -> Any:
+        tp_pp = {"tp2": (2, 1), "tp2 x pp2": (2, 2)}[layout]
+        strategy = {"class": "lightning_parallel:HybridParallelStrategy", "tensor_parallel_size": tp_pp[0], "pipeline_parallel_size": tp_pp[1]}
+        return dataclasses.replace(MODELS[name], strategy=strategy, devices=tp_pp[0] * tp_pp[1], max_steps=2, trainer_kwargs={},
+                                   callbacks=[("lightning_parallel.testing.comm_counts:CommCounter", {"model": name, "layout": layout})])
+
+    cases = [("gpt2", "tp2"), ("mixtral", "tp2")]
+    results = [run_distributed(_stage_counts, 2, [spec(n, l) for n, l in cases], init_backend=None, timeout=400),
+               run_distributed(_stage_counts, 4, [spec("gpt2", "tp2 x pp2")], init_backend=None, timeout=400)]
+    for rank_results, names in zip(results, (cases, [("gpt2", "tp2 x pp2")]), strict=True):
+        for rank, per_case in enumerate(rank_results):
+            for (name, layout), result in zip(names, per_case, strict=True):
+                counts, minimum = result["counts"], result["minimum"]
+                dtensor = {k: v / minimum["microbatches"] for k, v in counts.items() if k.split("/")[:2] in (["fwd", "dtensor"], ["bwd", "dtensor"]) and not k.endswith("/bytes")}
+                label = f"{name} {layout} rank {rank}: {dtensor} against {minimum}"
+                assert minimum["regions"] > 0, label
+                expected = {"fwd/dtensor/AR": minimum["fwd_AR"], "fwd/dtensor/AG": minimum["fwd_AG"], "bwd/dtensor/AR": minimum["bwd_AR"]}
+                assert {k: v for k, v in dtensor.items() if v} == {k: v for k, v in expected.items() if v}, label

@@ -134,6 +134,7 @@ class LayoutMixin:
             self._tp_resolved = resolve_tp_plan(
                 module, self.parallel_dims.tp, user_plan=self.tp_plan, strict=self.strict_plan,
                 split_experts=self.parallel_dims.ep == 1,  # with ep > 1 expert parallelism owns the experts
+                fsdp_composable=self.parallel_dims.grad_size > 1,  # no data parallelism: nothing shards beside tp
             )
             # A plan that leaves most of the model whole on every rank is refused, not warned about.
             check_split_share(module, self._tp_resolved, self.tensor_parallel_min_split, self.parallel_dims.ep)

@@ -37,7 +37,7 @@ import torch.distributed as dist
 import torch.utils.checkpoint
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Placement, distribute_tensor
 
 from lightning_parallel.compat import GraphPipelineStage as _PipelineStage, schedule_stages
 from lightning_parallel.parallel.clip import total_norm
@@ -113,6 +113,7 @@ class PipelineRuntime:
         self._owned = {n for n, ranks in holders.items() if self.pp_rank in ranks}
         self._shared = sorted(n for n, ranks in holders.items() if len(ranks) > 1)
         self._shared_meta = {n: (params[n].shape, params[n].dtype, params[n].device) for n in self._shared}
+        self._shared_layouts: dict[str, tuple[DeviceMesh, list[Placement], torch.Size]] = {}
         self.last_losses: list[Tensor] = []
         self.released: dict[str, torch.Size] = {}
         self._code_final = False  # see finalize_code
@@ -233,18 +234,39 @@ class PipelineRuntime:
             dist.broadcast(loss, src=self._last_rank, group=self.group)
         return loss
 
+    def shard_shared_gradients(self, layouts: dict[str, tuple[DeviceMesh, list[Placement]]]) -> None:
+        """Shared parameters (a tied embedding and LM head on the first and last stage) that every
+        stage holding them splits alike, given on every rank: canonical FQN -> (mesh, placements).
+
+        Their gradients then cross the pipeline as this rank's shard, summed with the peers that hold
+        the same shard (the pipeline group of a tensor-parallel rank), instead of being gathered
+        whole first: one all-gather per step and ``tp`` times the bytes saved. Only for layouts every
+        rank can derive alike (the tensor-parallel plan; not FSDP2's, which only holders see)."""
+        self._shared_layouts = {}
+        for name, (mesh, placements) in layouts.items():
+            if name in self._shared:
+                shape, dtype, _ = self._shared_meta[name]
+                local = distribute_tensor(torch.empty(shape, dtype=dtype, device="meta"), mesh, placements, src_data_rank=None)
+                self._shared_layouts[name] = (mesh, list(placements), local.to_local().shape)
+
     def _sum_shared_grads(self, params: dict[str, nn.Parameter], before: dict[str, Tensor | None]) -> None:
         for name in self._shared:
             shape, dtype, device = self._shared_meta[name]
-            delta = torch.zeros(shape, dtype=dtype, device=device)
+            layout = self._shared_layouts.get(name)
+            delta = torch.zeros(layout[2] if layout else shape, dtype=dtype, device=device)
             grad = params[name].grad
             if name in before and grad is not None:
                 delta = grad - before[name] if before[name] is not None else grad.clone()
-                delta = full_value(delta)  # tensor-parallel stages: the whole tensor crosses the pipeline
+                if layout is not None and isinstance(delta, DTensor):  # this rank's shard, in the parameter's layout
+                    delta = delta.redistribute(layout[0], layout[1]).to_local()
+                else:  # tensor-parallel stages: the whole tensor crosses the pipeline
+                    delta = full_value(delta)
             dist.all_reduce(delta, group=self.group)
             if name in before:
                 param = params[name]
-                if isinstance(param, DTensor):
+                if layout is not None:
+                    delta = DTensor.from_local(delta, layout[0], layout[1], run_check=False, shape=shape, stride=param.stride())
+                elif isinstance(param, DTensor):
                     delta = distribute_tensor(delta, param.device_mesh, param.placements, src_data_rank=None)
                 param.grad = delta if before[name] is None else before[name] + delta
 

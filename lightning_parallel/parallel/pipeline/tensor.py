@@ -72,7 +72,7 @@ def parameter_placements(module: nn.Module, plan: TensorParallelPlan) -> dict[st
             if shard is None:
                 continue
             name = canonical[id(param)]
-            placement: list[Placement] = [packed_placement(shard[0], shard[1], param.ndim)]
+            placement: list[Placement] = [packed_placement(shard[0], shard[1], param.ndim, plan.packed_biases_split)]
             if name in out and out[name] != placement:
                 raise config_error(
                     ValueError, "tp_plan", f"{mod_name}: {style}",

@@ -158,10 +158,10 @@ def _sharded_heads(plan: TensorParallelPlan) -> list[str]:
     return [name for name in plan.lm_heads if plan.styles.get(name) == COLWISE_GATHER]
 
 
-def _colwise(module: nn.Module, split_factor: int, **kwargs: object) -> ParallelStyle:
+def _colwise(module: nn.Module, split_factor: int, split_bias: bool = False, **kwargs: object) -> ParallelStyle:
     """torch's ``ColwiseParallel`` where it applies, the fused/Conv1D variant elsewhere."""
     if split_factor > 1 or is_conv1d(module):
-        return FusedColwiseParallel(split_factor=split_factor, **kwargs)  # type: ignore[arg-type]
+        return FusedColwiseParallel(split_factor=split_factor, split_bias=split_bias, **kwargs)  # type: ignore[arg-type]
     return ColwiseParallel(**kwargs)  # type: ignore[arg-type]
 
 
@@ -187,7 +187,7 @@ def _styles(
         packed = plan.packed.get(name, 1)
         if style == COLWISE:
             # In a region the output stays a DTensor (global shapes for the user's reshapes).
-            out[name] = _colwise(mod, packed, use_local_output=not in_region)
+            out[name] = _colwise(mod, packed, plan.packed_biases_split, use_local_output=not in_region)
         elif style == ROWWISE:
             out[name] = _rowwise(mod, output_layouts=stream if in_region else Replicate())
         elif style == ROWWISE_SPLIT_INPUT:
@@ -197,9 +197,10 @@ def _styles(
             reads_stream = sp and name in plan.lm_heads
             inputs = Shard(1) if reads_stream else Replicate()
             if loss_parallel and name in plan.lm_heads:  # vocabulary-sharded DTensor; tp_loss decides per call
-                out[name] = _colwise(mod, packed, input_layouts=inputs, output_layouts=Shard(-1), use_local_output=False)
+                out[name] = _colwise(mod, packed, plan.packed_biases_split, input_layouts=inputs, output_layouts=Shard(-1),
+                                     use_local_output=False)
             else:
-                out[name] = _colwise(mod, packed, input_layouts=inputs, output_layouts=Replicate())
+                out[name] = _colwise(mod, packed, plan.packed_biases_split, input_layouts=inputs, output_layouts=Replicate())
         elif style == EMBEDDING_ROWWISE:
             writes_stream = sp and name in plan.stream_embeddings
             out[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1) if writes_stream else Replicate())

@@ -48,7 +48,7 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_parallel.compat import AsyncCollectiveTensor, tree_flatten, tree_map
 from lightning_parallel.parallel.errors import config_error
-from lightning_parallel.parallel.tensor.fused import split_packed
+from lightning_parallel.parallel.tensor.fused import slice_packed, split_packed
 
 
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -133,6 +133,9 @@ class ReplicateMixedMode(TorchFunctionMode):
         pieces = split_packed(func, args, kwargs)  # [q | k | v] of a packed projection: its parts, still split
         if pieces is not None:
             return pieces
+        piece = slice_packed(func, args, kwargs)  # one part of it, cut by a slice
+        if piece is not None:
+            return piece
         if func is F.scaled_dot_product_attention:
             out = local_sdpa(args, kwargs)
             if out is not None:

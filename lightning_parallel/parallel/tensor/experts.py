@@ -13,7 +13,8 @@ expert. ``gate_up_proj`` is packed (``[gate | up]``), so it is sharded ``_Stride
 indexes, gathers and ``index_add_``s, which DTensor would gather), its partial output is summed
 over the tp ranks (all-reduce forward), and the gradients of the replicated inputs (hidden
 states, routing weights) are summed in the backward: each rank's input gradient is only its
-features' share. Parameters stay DTensors with full-model semantics, so ``state_dict``,
+features' share. Both arrive in one backward call and are summed in one all-reduce (one per
+dtype), not one each: the Megatron minimum of one backward reduction per region. Parameters stay DTensors with full-model semantics, so ``state_dict``,
 clipping and checkpoints see the true global tensors.
 
 The router stays replicated (it is small and its top-k must agree on every rank).
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
@@ -61,11 +63,47 @@ def expert_placements() -> dict[str, Placement]:
     return {"gate_up_proj": StridedShard(1, split_factor=2), "down_proj": Shard(2)}
 
 
-def _sum_grad(x: Any, mesh: DeviceMesh) -> Any:
-    """Identity forward; the backward all-reduces the gradient (each rank holds a partial one)."""
-    if not isinstance(x, Tensor) or not x.is_floating_point():
-        return x
-    return DTensor.from_local(x, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+def _sum_partials(grads: list[Tensor], mesh: DeviceMesh) -> list[Tensor]:
+    """Sum each rank's partial gradients over ``mesh``: one all-reduce per dtype, however many tensors."""
+    out = list(grads)
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, g in enumerate(grads):
+        by_dtype.setdefault(g.dtype, []).append(i)
+    for indices in by_dtype.values():
+        flat = torch.cat([grads[i].reshape(-1) for i in indices])
+        summed = DTensor.from_local(flat, mesh, [Partial()], run_check=False).redistribute(mesh, [Replicate()]).to_local()
+        for i, piece in zip(indices, summed.split([grads[i].numel() for i in indices]), strict=True):
+            out[i] = piece.view_as(grads[i])
+    return out
+
+
+class _SumInputGrads(torch.autograd.Function):
+    """Identity on the experts' floating inputs; the backward sums their gradients over tp at once."""
+
+    @staticmethod
+    def forward(ctx: Any, mesh: DeviceMesh, *inputs: Tensor) -> tuple[Tensor, ...]:
+        ctx.mesh = mesh
+        return tuple(x.view_as(x) for x in inputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Any, ...]:
+        present = [i for i, g in enumerate(grads) if g is not None]
+        summed = _sum_partials([grads[i] for i in present], ctx.mesh) if present else []  # type: ignore[misc]
+        out: list[Tensor | None] = list(grads)
+        for i, g in zip(present, summed, strict=True):
+            out[i] = g
+        return (None, *out)
+
+
+def _sum_grads(values: list[Any], mesh: DeviceMesh) -> list[Any]:
+    """``values`` with every floating tensor that needs a gradient routed through one :class:`_SumInputGrads`."""
+    picked = [i for i, v in enumerate(values) if isinstance(v, Tensor) and v.is_floating_point() and v.requires_grad]
+    if not picked:
+        return values
+    out = list(values)
+    for i, v in zip(picked, _SumInputGrads.apply(mesh, *(values[i] for i in picked)), strict=True):
+        out[i] = v
+    return out
 
 
 class ExpertsForward:
@@ -97,8 +135,9 @@ class ExpertsForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         mesh = self.mesh
-        args = tuple(_sum_grad(a, mesh) for a in args)
-        kwargs = {k: _sum_grad(v, mesh) for k, v in kwargs.items()}
+        keys = list(kwargs)
+        values = _sum_grads([*args, *(kwargs[k] for k in keys)], mesh)
+        args, kwargs = tuple(values[: len(args)]), dict(zip(keys, values[len(args):], strict=True))
         out = self._run_local(args, kwargs)
         if not isinstance(out, Tensor):
             raise config_error(

@@ -39,7 +39,12 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from lightning_parallel.compat import StridedShard
 
-_SPLITS: frozenset[Callable[..., Any]] = frozenset({Tensor.split, torch.split, Tensor.chunk, torch.chunk})
+_ATEN = torch.ops.aten
+# The user's calls (eager regions) and the ATen overloads a traced pipeline stage calls for them.
+_SPLITS: frozenset[Callable[..., Any]] = frozenset({Tensor.split, torch.split, Tensor.chunk, torch.chunk,
+                                                   _ATEN.split.Tensor, _ATEN.split_with_sizes.default, _ATEN.chunk.default})
+_CHUNKS = frozenset({Tensor.chunk, torch.chunk, _ATEN.chunk.default})
+_SIZES_NAME = {_ATEN.split.Tensor: "split_size", _ATEN.split_with_sizes.default: "split_sizes"}
 
 
 def is_conv1d(module: nn.Module) -> bool:
@@ -68,16 +73,18 @@ def shard_placement(dim: int, split_factor: int) -> Placement:
     return Shard(dim) if split_factor <= 1 else StridedShard(dim, split_factor=split_factor)
 
 
-def packed_placement(dim: int, split_factor: int, ndim: int) -> Placement:
-    """A column-parallel parameter's placement: a packed *bias* stays whole (``Replicate``).
+def packed_placement(dim: int, split_factor: int, ndim: int, split_bias: bool = False) -> Placement:
+    """A column-parallel parameter's placement: a packed *bias* stays whole (``Replicate``) unless
+    ``split_bias`` (no FSDP2 shards the parameters beside tp: the plan's ``packed_biases_split``).
 
     Why: FSDP2 shards dim 0, the only dim of a bias, and does not compose with a
     ``_StridedShard`` tensor-parallel placement on the same dim (measured: dp2 x tp2 zero3 on
     GPT-2 trained ``c_attn.bias`` to a relative error of 1.25). A whole bias costs a few
     elements; added to the ``_StridedShard`` matmul output, DTensor takes each rank's slice
-    locally, and its gradient comes back whole.
+    locally, but its gradient comes back whole: one all-gather per packed layer in every backward,
+    which a split bias does not need.
     """
-    if split_factor > 1 and ndim == 1:
+    if split_factor > 1 and ndim == 1 and not split_bias:
         return Replicate()
     return shard_placement(dim, split_factor)
 
@@ -100,15 +107,15 @@ class FusedColwiseParallel(ColwiseParallel):
     """
 
     def __init__(self, *, split_factor: int = 1, input_layouts: Placement | None = None,
-                 output_layouts: Placement | None = None, use_local_output: bool = True) -> None:
-        self.split_factor = split_factor
+                 output_layouts: Placement | None = None, use_local_output: bool = True, split_bias: bool = False) -> None:
+        self.split_factor, self.split_bias = split_factor, split_bias
         super().__init__(input_layouts=input_layouts, use_local_output=use_local_output,
                          output_layouts=output_layouts or shard_placement(-1, split_factor))
 
     def _partition(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
         dims = colwise_dims(module)
         for local, param in list(module.named_parameters(recurse=False)):
-            placement = packed_placement(dims[local], self.split_factor, param.ndim)
+            placement = packed_placement(dims[local], self.split_factor, param.ndim, self.split_bias)
             module.register_parameter(local, nn.Parameter(
                 distribute_tensor(param, device_mesh, [placement], src_data_rank=self.src_data_rank),
                 requires_grad=param.requires_grad,
@@ -151,8 +158,8 @@ def _strided(x: Any) -> StridedShard | None:
 
 def _split_args(func: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[Any, int] | None:
     """(size_or_sections, dim) of a ``split``/``chunk`` call, or None if it has other arguments."""
-    names = ("chunks", "dim") if func in (Tensor.chunk, torch.chunk) else ("split_size_or_sections", "dim")
-    alt = {"split_size": "split_size_or_sections"}
+    names = ("chunks", "dim") if func in _CHUNKS else ("split_size_or_sections", "dim")
+    alt = {"split_size": "split_size_or_sections", _SIZES_NAME.get(func, "split_size"): "split_size_or_sections"}
     bound = dict(zip(names, args[1:]))
     for key, value in kwargs.items():
         key = alt.get(key, key)
@@ -167,7 +174,8 @@ def _split_args(func: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[An
 def split_packed(func: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[DTensor, ...] | None:
     """The ``n`` parts of a ``_StridedShard(n)`` DTensor as ``Shard`` DTensors, or None.
 
-    Answers ``x.split(size, dim)``, ``x.split([s] * n, dim)`` and ``x.chunk(n, dim)`` exactly when
+    Answers ``x.split(size, dim)``, ``x.split([s] * n, dim)`` and ``x.chunk(n, dim)`` (or the
+    ``aten.split``/``split_with_sizes``/``chunk`` a traced pipeline stage calls) exactly when
     they cut ``x`` into the ``n`` equal parts of its packed dim; any other call is left to
     DTensor (which gathers, correctly). Differentiable: the pieces are views of the local tensor.
     """
@@ -186,7 +194,7 @@ def split_packed(func: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[D
     if dim != placement.dim % x.ndim or x.shape[dim] % n:
         return None
     part = x.shape[dim] // n
-    if func in (Tensor.chunk, torch.chunk):
+    if func in _CHUNKS:
         exact = arg == n
     elif isinstance(arg, int):
         exact = arg == part
@@ -200,6 +208,56 @@ def split_packed(func: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[D
     mesh = x.device_mesh
     return tuple(DTensor.from_local(p, mesh, [Shard(dim)], run_check=False) for p in local.chunk(n, dim=dim))
 
+
+
+def _slice_bounds(func: Callable[..., Any], args: tuple, kwargs: dict, ndim: int) -> tuple[int, Any, Any] | None:
+    """(dim, start, stop) of a one-dim, step-1 slice (``x[..., a:b]`` or ``aten.slice``), else None."""
+    if func is _ATEN.slice.Tensor:
+        names = ("dim", "start", "end", "step")
+        bound = {"dim": 0, "start": None, "end": None, "step": 1} | dict(zip(names, args[1:])) | kwargs
+        return (int(bound["dim"]), bound["start"], bound["end"]) if bound["step"] == 1 and set(bound) <= set(names) else None
+    if func is not Tensor.__getitem__ or len(args) != 2 or kwargs:
+        return None
+    index = args[1] if isinstance(args[1], tuple) else (args[1],)
+    if sum(i is Ellipsis for i in index) > 1 or not all(isinstance(i, slice) or i is Ellipsis for i in index):
+        return None
+    cut = [k for k, i in enumerate(index) if isinstance(i, slice) and i != slice(None)]
+    if len(cut) != 1 or index[cut[0]].step not in (None, 1):
+        return None
+    k = cut[0]
+    after_ellipsis = any(i is Ellipsis for i in index[:k])
+    dim = ndim - (len(index) - k) if after_ellipsis else k
+    return dim, index[k].start, index[k].stop
+
+
+def slice_packed(func: Callable[..., Any], args: tuple, kwargs: dict) -> DTensor | None:
+    """Part ``i`` of a ``_StridedShard(n)`` DTensor as a ``Shard`` DTensor when a slice takes exactly
+    that part (Phi-3 cuts ``[q | k | v]`` as ``qkv[..., :q_end]``...), else None (DTensor gathers).
+
+    The slice counterpart of :func:`split_packed`, for the same reason and with the same exactness:
+    the bounds must be those of one of the ``n`` equal parts."""
+    x = args[0] if args else None
+    placement = _strided(x)
+    if placement is None:
+        return None
+    bounds = _slice_bounds(func, args, kwargs, x.ndim)
+    if bounds is None:
+        return None
+    dim, start, stop = bounds
+    dim %= x.ndim
+    size, n = x.shape[dim], placement.split_factor
+    if dim != placement.dim % x.ndim or size % n or not all(b is None or isinstance(b, int) for b in (start, stop)):
+        return None
+    start = 0 if start is None else start + size if start < 0 else start
+    stop = size if stop is None else min(stop + size if stop < 0 else stop, size)
+    part = size // n
+    if start % part or stop - start != part:
+        return None
+    local = x.to_local()
+    if local.shape[dim] % n:
+        return None
+    piece = local.chunk(n, dim=dim)[start // part]
+    return DTensor.from_local(piece, x.device_mesh, [Shard(dim)], run_check=False)
 
 def _contiguous_placements(x: DTensor) -> list[Placement]:
     return [Shard(p.dim) if isinstance(p, StridedShard) else p for p in x.placements]
@@ -251,5 +309,6 @@ __all__ = [
     "packed_placement",
     "rowwise_dims",
     "shard_placement",
+    "slice_packed",
     "split_packed",
 ]

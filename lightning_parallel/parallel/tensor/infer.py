@@ -27,7 +27,7 @@ from torch import nn
 
 from lightning_parallel.parallel.tensor.dataflow import dataflow_groups
 from lightning_parallel.parallel.tensor.dataflow_record import Recording, example_call, record_forward
-from lightning_parallel.parallel.tensor.experts import experts_layout, experts_reason
+from lightning_parallel.parallel.tensor.experts import experts_reason
 from lightning_parallel.parallel.tensor.fused import features, is_linear_like
 
 _ELEMENTWISE = (

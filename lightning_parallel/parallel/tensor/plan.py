@@ -26,15 +26,13 @@ keeps the whole group replicated, with a warning naming the module, or an error 
 
 from __future__ import annotations
 
-import difflib
-import fnmatch
-import re
 import warnings
 from dataclasses import dataclass, field
 
 from torch import nn
 
 from lightning_parallel.parallel.errors import config_error
+from lightning_parallel.parallel.tensor.declared import declared_plan, fold_layer_index, generalised, styles_from_globs, upgrade_gathered_pairs
 from lightning_parallel.parallel.tensor.experts import experts_layout
 from lightning_parallel.parallel.tensor.fused import features, is_linear_like
 from lightning_parallel.parallel.tensor.infer import Structure, analyse, head_counts
@@ -43,17 +41,13 @@ from lightning_parallel.parallel.tensor.styles import (
     COLWISE_GATHER,
     EMBEDDING_ROWWISE,
     EXPERTS,
-    PACKED_COLWISE,
     REPLICATE,
     ROWWISE,
     ROWWISE_SPLIT_INPUT,
     SEQUENCE_PARALLEL,
     SHARDING_STYLES,
-    UNSUPPORTED_HF_STYLES,
     _COLUMN_STYLES,
-    _LINEAR_STYLES,
     _ROW_STYLES,
-    canonical_style,
 )
 from lightning_parallel.parallel.tensor.shards import owned_params, param_shard
 
@@ -84,6 +78,9 @@ class TensorParallelPlan:
     # weights are sharded ``_StridedShard(dim, n)`` so each rank holds its slice of every part.
     packed: dict[str, int] = field(default_factory=dict)
     pairs_from: str = ""  # "dataflow", or why module names and shapes decided (infer.py)
+    # No FSDP2 shards these parameters beside tp (no data parallelism): packed nn.Linear weights and
+    # packed biases split ``_StridedShard`` too (resolve_tp_plan's ``fsdp_composable``).
+    packed_biases_split: bool = False
 
     @property
     def fraction_sharded(self) -> float:
@@ -117,125 +114,6 @@ class TensorParallelPlan:
         return "\n".join(lines)
 
 
-def fold_layer_index(name: str) -> str:
-    """``blocks.3.attn.q`` -> ``blocks.*.attn.q``: one table row per repeated layer."""
-    return re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.)", "*", name)
-
-
-def _glob_match(pattern: str, name: str) -> bool:
-    """Segment-wise glob, as ``torch.distributed.tensor.parallel.parallelize_module`` matches."""
-    pat, parts = pattern.split("."), name.split(".")
-    return len(pat) == len(parts) and all(fnmatch.fnmatchcase(n, p) for p, n in zip(pat, parts))
-
-
-def _generalised(names: list[str]) -> list[str]:
-    return sorted({fold_layer_index(n) for n in names} | set(names))
-
-
-def declared_plan(module: nn.Module) -> dict[str, str]:
-    """The plan a model declares the Hugging Face way, as FQN globs (empty when none).
-
-    ``config.base_model_tp_plan`` keys are relative to the base model (the submodule named by
-    ``base_model_prefix`` when there is one); ``_tp_plan`` keys are relative to the module that
-    carries them and win over the config's.
-    """
-    plan: dict[str, str] = {}
-    owned: dict[str, str] = {}
-    seen_configs: set[int] = set()  # submodules often share the root's config: read it once, at the top
-    for name, mod in module.named_modules():
-        prefix = f"{name}." if name else ""
-        config = getattr(mod, "config", None)
-        base = getattr(config, "base_model_tp_plan", None)
-        if isinstance(base, dict) and id(config) not in seen_configs:
-            seen_configs.add(id(config))
-            base_prefix = getattr(mod, "base_model_prefix", "")
-            if isinstance(base_prefix, str) and base_prefix and isinstance(getattr(mod, base_prefix, None), nn.Module):
-                prefix_b = f"{prefix}{base_prefix}."
-            else:
-                prefix_b = prefix
-            plan.update({prefix_b + k: v for k, v in base.items()})
-        own = getattr(mod, "_tp_plan", None)
-        if isinstance(own, dict):
-            owned.update({prefix + k: v for k, v in own.items()})
-    plan.update(owned)
-    return plan
-
-
-def _fits(style: str, mod: nn.Module) -> bool:
-    if style in _LINEAR_STYLES:
-        return is_linear_like(mod)
-    if style == EMBEDDING_ROWWISE:
-        return isinstance(mod, nn.Embedding)
-    if style == EXPERTS:
-        return experts_layout(mod) is not None
-    return style in (SEQUENCE_PARALLEL, REPLICATE)
-
-
-def _styles_from_globs(
-    module: nn.Module, globs: dict[str, str], *, user: bool, notes: list[str], packed: dict[str, int]
-) -> tuple[dict[str, str], set[str]]:
-    """Expand glob -> style into FQN -> canonical style; user mistakes raise, declared ones warn.
-
-    Returns the styles and every module a declared entry named (also the ones it could not
-    style), so the inferred plan does not fill in what the model's own plan spoke about.
-    ``packed_colwise`` becomes ``colwise`` with split factor 2 in ``packed``. A declared entry
-    naming a *parameter* of an experts module (HF writes ``experts.gate_up_proj: packed_colwise``
-    next to ``experts: moe_tp_experts``) is part of that module's style.
-    """
-    modules = dict(module.named_modules())
-    names = [n for n in modules if n]
-    params = {n for n, _ in module.named_parameters()}
-    styles: dict[str, str] = {}
-    named: set[str] = set()
-    ordered = sorted(globs.items(), key=lambda kv: kv[0] in modules)  # exact names applied last
-    for pattern, raw_style in ordered:
-        where = f"tp_plan[{pattern!r}]"
-        if not isinstance(pattern, str):
-            raise config_error(TypeError, "tp_plan", pattern, "plan keys are module-name globs (str)", "use e.g. 'layers.*.mlp.up_proj'")
-        matched = [n for n in names if _glob_match(pattern, n)]
-        if not user and isinstance(raw_style, str) and raw_style.strip().lower() in UNSUPPORTED_HF_STYLES:
-            named.update(matched)
-            if matched:
-                notes.append(f"declared plan entry {pattern!r}: Hugging Face style {raw_style!r} has no counterpart here; "
-                             "its modules follow the inferred plan")
-            continue
-        try:
-            style = canonical_style(raw_style, where=where)
-        except (TypeError, ValueError):
-            if user:
-                raise
-            named.update(matched)
-            notes.append(f"declared plan entry {pattern!r}: style {raw_style!r} is not supported; its modules follow the inferred plan")
-            continue
-        if not matched:
-            if not user and any(_glob_match(pattern, n) for n in params):
-                continue  # a parameter of an experts module: its module's moe_tp_experts entry covers it
-            if user:
-                close = difflib.get_close_matches(pattern, _generalised(names), n=5, cutoff=0.5)
-                raise config_error(
-                    ValueError, "tp_plan", pattern, f"no module matches this name (close matches: {close or 'none'})",
-                    "use module names as in model.named_modules(); '*' matches one dotted component",
-                )
-            notes.append(f"declared plan entry {pattern!r} matches no module; ignored")
-            continue
-        for name in matched:
-            mod = modules[name]
-            named.add(name)
-            style_here = EMBEDDING_ROWWISE if style == ROWWISE and isinstance(mod, nn.Embedding) else style
-            if not _fits(style_here, mod):
-                msg = (f"style {style_here!r} needs an nn.Linear or Conv1D (colwise/rowwise), an nn.Embedding "
-                       f"(embedding_rowwise) or a Hugging Face experts module (moe_tp_experts), got {type(mod).__name__}")
-                if user:
-                    raise config_error(ValueError, where, name, msg, "choose a style that fits the module type, or 'replicate'")
-                notes.append(f"declared plan: module {name!r}: {msg}; left replicated")
-                continue
-            if style_here == PACKED_COLWISE:
-                style_here = COLWISE
-                packed[name] = 2
-            styles[name] = style_here
-    return styles, named
-
-
 def _divisibility(module: nn.Module, name: str, style: str, tp: int, packed: dict[str, int]) -> list[tuple[str, int]]:
     """(what, size) pairs that must divide by ``tp`` for ``style`` on module ``name``."""
     mod = module.get_submodule(name)
@@ -265,6 +143,7 @@ def _outermost(regions: set[str]) -> list[str]:
 def _finalise(
     module: nn.Module, tp: int, source: str, styles: dict[str, str], groups: dict[str, list[str]],
     reasons: dict[str, str], structure: Structure, strict: bool, notes: list[str], packed: dict[str, int],
+    packed_biases_split: bool = False,
 ) -> TensorParallelPlan:
     """Check divisibility per group (drop or raise), count parameters, build the plan."""
     all_modules = dict(module.named_modules())
@@ -320,7 +199,7 @@ def _finalise(
     replicated: dict[str, str] = {}
     for mod_name, local, param in owned_params(module):
         total += param.numel()
-        if mod_name in styles and param_shard(styles, packed, all_modules[mod_name], mod_name, local) is not None:
+        if mod_name in styles and param_shard(styles, packed, all_modules[mod_name], mod_name, local, packed_biases_split) is not None:
             sharded += param.numel()
         elif mod_name not in styles:
             replicated[mod_name] = reasons.get(mod_name) or structure.reason(mod_name)
@@ -329,7 +208,7 @@ def _finalise(
         tp_size=tp, source=source, styles=styles, replicated=replicated, regions=tuple(regions),
         norms=structure.norms, stream_embeddings=structure.stream_embeddings, lm_heads=structure.lm_heads,
         blocks=structure.blocks, total_params=total, sharded_params=sharded, warnings=tuple(notes),
-        packed={n: f for n, f in packed.items() if n in styles}, pairs_from="; ".join(
+        packed={n: f for n, f in packed.items() if n in styles}, packed_biases_split=packed_biases_split, pairs_from="; ".join(
             f"{root or type(module).__name__}: {how}" for root, how in structure.method.items()) or "module names and shapes "
         "(no forward to record: a Hugging Face model's dummy_inputs or the LightningModule's example_input_array)"
         if tp > 1 else "",
@@ -404,7 +283,7 @@ def _no_split_error(module: nn.Module, tp: int, plan: TensorParallelPlan) -> Val
 
 def resolve_tp_plan(
     module: nn.Module, tp_size: int, user_plan: dict[str, str] | None = None, strict: bool = False,
-    split_experts: bool = True,
+    split_experts: bool = True, fsdp_composable: bool = True,
 ) -> TensorParallelPlan:
     """The plan for ``module`` at ``tp_size``: the user's, else the declared one, else inferred.
 
@@ -413,7 +292,10 @@ def resolve_tp_plan(
     close matches; unknown style; style that does not fit the module type), for a model in which
     nothing can be split (``tp_size > 1``), and, with ``strict``, for any size not divisible by
     ``tp_size``. ``split_experts=False`` leaves Hugging Face experts modules to expert
-    parallelism (both would otherwise split the same parameters).
+    parallelism (both would otherwise split the same parameters). ``fsdp_composable=False``: no
+    FSDP2 will shard these parameters beside tp (no data parallelism), so packed ``nn.Linear``
+    weights and packed biases keep their per-part ``_StridedShard`` split, which FSDP2 does not
+    compose with (:func:`_unpack_linears`); each part is then cut locally, without an all-gather.
 
     A declared (Hugging Face) plan is used for what it covers and completed by the inferred plan,
     group by group: an inferred group none of whose modules the declared plan names is added
@@ -433,11 +315,12 @@ def resolve_tp_plan(
     declared = declared_plan(module) if not user_plan else {}
     if user_plan:
         source = "user"
-        styles, _ = _styles_from_globs(module, dict(user_plan), user=True, notes=notes, packed=packed)
+        styles, _ = styles_from_globs(module, dict(user_plan), user=True, notes=notes, packed=packed)
     elif declared:
         source = "declared"
-        styles, named = _styles_from_globs(module, declared, user=False, notes=notes, packed=packed)
+        styles, named = styles_from_globs(module, declared, user=False, notes=notes, packed=packed)
         inferred = inferred_styles(structure)
+        upgrade_gathered_pairs(styles, inferred, _inferred_groups(structure, inferred), structure.packed, packed, notes)
         added: list[str] = []
         for members in _inferred_groups(structure, inferred).values():
             if members and not any(m in named or m in styles for m in members):
@@ -447,7 +330,7 @@ def resolve_tp_plan(
         if added:
             source = "declared+inferred"
             notes.append(f"the declared plan does not reach {len(added)} module(s) the inferred plan splits "
-                         f"(e.g. {_generalised(added)[:3]}); they follow the inferred plan")
+                         f"(e.g. {generalised(added)[:3]}); they follow the inferred plan")
     else:
         source = "inferred"
         styles = inferred_styles(structure)
@@ -461,13 +344,14 @@ def resolve_tp_plan(
             styles.pop(name)
             reasons[name] = "experts: split by expert parallelism (expert_parallel_size > 1), not by tp"
     _gather_unpaired(styles, notes, structure.groups if source != "user" else None)
-    _unpack_linears(module, packed, notes)
+    if fsdp_composable:
+        _unpack_linears(module, packed, notes)
     if source == "inferred":
         groups = _inferred_groups(structure, styles)
     else:
         groups = _declared_groups(styles)
     plannable = bool(styles)  # before divisibility: an empty plan after it has warned per module
-    plan = _finalise(module, tp_size, source, styles, groups, reasons, structure, strict, notes, packed)
+    plan = _finalise(module, tp_size, source, styles, groups, reasons, structure, strict, notes, packed, not fsdp_composable)
     if tp_size > 1 and plan.total_params and not plannable and source != "user":
         raise _no_split_error(module, tp_size, plan)
     if tp_size > 1:

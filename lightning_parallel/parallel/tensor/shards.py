@@ -36,15 +36,16 @@ def sharded_dims(style: str, param_name: str) -> int | None:
 
 
 def param_shard(plan_styles: dict[str, str], packed: dict[str, int], module: nn.Module, mod_name: str,
-                param_name: str) -> tuple[int, int] | None:
+                param_name: str, packed_biases_split: bool = False) -> tuple[int, int] | None:
     """(dim, split factor) a plan splits a parameter along (None: replicated), for any module type.
 
     Split factor 1 is a plain ``Shard(dim)``; ``n > 1`` is ``_StridedShard(dim, n)`` (a packed
-    output, or the experts' ``[gate | up]``). ``Conv1D`` stores its weight transposed.
+    output, or the experts' ``[gate | up]``). ``Conv1D`` stores its weight transposed. A packed
+    bias stays whole unless ``packed_biases_split`` (no FSDP2 beside tp: ``tp_fused.packed_placement``).
     """
     style = plan_styles.get(mod_name, REPLICATE)
     factor = packed.get(mod_name, 1)
-    if style in _COLUMN_STYLES and factor > 1 and param_name == "bias":
+    if style in _COLUMN_STYLES and factor > 1 and param_name == "bias" and not packed_biases_split:
         return None  # a packed bias stays whole (see tp_fused.packed_placement)
     if style in _COLUMN_STYLES and is_conv1d(module):
         dim = colwise_dims(module).get(param_name)
@@ -62,7 +63,7 @@ def param_shard(plan_styles: dict[str, str], packed: dict[str, int], module: nn.
 
 def plan_param_shard(plan: TensorParallelPlan, module: nn.Module, mod_name: str, param_name: str) -> tuple[int, int] | None:
     """:func:`param_shard` for a resolved plan; ``module`` is the root the plan was resolved on."""
-    return param_shard(plan.styles, plan.packed, module.get_submodule(mod_name), mod_name, param_name)
+    return param_shard(plan.styles, plan.packed, module.get_submodule(mod_name), mod_name, param_name, plan.packed_biases_split)
 
 
 def owned_params(module: nn.Module) -> list[tuple[str, str, nn.Parameter]]:

@@ -64,6 +64,7 @@ from lightning_parallel.parallel.pipeline.moe import (
 )
 from lightning_parallel.parallel.pipeline.tensor import (
     apply_stage_tensor_parallel,
+    parameter_placements,
     local_part,
     retarget_calls,
     swap_optimizer_parameters,
@@ -213,6 +214,9 @@ class PipelineDriver(PipelineStateMixin):
             owned = self._runtime.owned_parameter_names() - whole
             mapping = apply_stage_tensor_parallel(self.module, self._runtime.stage_modules(), owned, self.dims.axis(TP), plan)
             swap_optimizer_parameters(self._optimizers(), mapping)
+            if not (self.dims.grad_size > 1 and self.strategy.zero_stage >= 1):  # no FSDP2 below: the plan's layout is final
+                tp_mesh = self.dims.axis(TP)
+                self._runtime.shard_shared_gradients({n: (tp_mesh, p) for n, p in parameter_placements(self.module, plan).items()})
             for stage_module in self._runtime.stage_modules():
                 replicate_opaque_calls(stage_module)
                 retarget_calls(stage_module, {TRACED_ATTENTION: local_heads_attention})  # cp attention on local heads

@@ -14,8 +14,9 @@ indexes, gathers and ``index_add_``s, which DTensor would gather), its partial o
 over the tp ranks (all-reduce forward), and the gradients of the replicated inputs (hidden
 states, routing weights) are summed in the backward: each rank's input gradient is only its
 features' share. Both arrive in one backward call and are summed in one all-reduce (one per
-dtype), not one each: the Megatron minimum of one backward reduction per region. Parameters stay DTensors with full-model semantics, so ``state_dict``,
-clipping and checkpoints see the true global tensors.
+dtype), not one each: the Megatron minimum of one backward reduction per region. Parameters stay
+DTensors with full-model semantics, so ``state_dict``, clipping and checkpoints see the true
+global tensors.
 
 The router stays replicated (it is small and its top-k must agree on every rank).
 """

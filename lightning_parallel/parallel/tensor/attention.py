@@ -285,12 +285,37 @@ class RegionForward:
             return DTensor.from_local(x, self.mesh, [Shard(1)], run_check=False).redistribute(self.mesh, [Replicate()])
         return DTensor.from_local(x, self.mesh, [Replicate()], run_check=False)
 
+    def _region_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """The hidden states through :meth:`_region_input`; every other top-level floating input that
+        needs a gradient (cross-attention's encoder output, read by its key and value projections; a
+        learned position bias) as one replicated DTensor too, for the same reason: its readers'
+        partial gradients summed before one all-reduce, not one each (T5 and BART sent one per
+        key and value projection). Under sequence parallelism only the hidden states are split."""
+        converted: dict[int, Tensor] = {}
+
+        def first(x: Tensor) -> Tensor:
+            converted[id(x)] = self._region_input(x)
+            return converted[id(x)]
+
+        args, kwargs = _first_tensor_arg(args, kwargs, first)
+        if self.gather_input:
+            return args, kwargs
+
+        def other(a: Any) -> Any:
+            if not isinstance(a, Tensor) or isinstance(a, DTensor) or not (a.is_floating_point() and a.requires_grad):
+                return a
+            if id(a) not in converted:
+                converted[id(a)] = DTensor.from_local(a, self.mesh, [Replicate()] * self.mesh.ndim, run_check=False)
+            return converted[id(a)]
+
+        return tuple(other(a) for a in args), {k: other(v) for k, v in kwargs.items()}
+
     # Eager even inside a compiled block (``compile_blocks``): the region's dispatch mode and
     # implicit replication are not traceable by dynamo, so the block's graph breaks around it.
     @torch.compiler.disable
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.dtensor_region:
-            args, kwargs = _first_tensor_arg(args, kwargs, self._region_input)
+            args, kwargs = self._region_inputs(args, kwargs)
         elif self.gather_input:
             args, kwargs = _first_tensor_arg(args, kwargs, lambda x: gather_sequence(x, self.mesh))
         with contextlib.ExitStack() as stack:

@@ -251,9 +251,11 @@ class PipelineRuntime:
 
     def _sum_shared_grads(self, params: dict[str, nn.Parameter], before: dict[str, Tensor | None]) -> None:
         for name in self._shared:
-            shape, dtype, device = self._shared_meta[name]
+            shape, dtype, _ = self._shared_meta[name]
             layout = self._shared_layouts.get(name)
-            delta = torch.zeros(layout[2] if layout else shape, dtype=dtype, device=device)
+            # On the device the group's backend serves: a meta-built model's parameter was on "meta"
+            # when this was recorded, and a stage between the holders sends zeros (NCCL rejects CPU).
+            delta = torch.zeros(layout[2] if layout else shape, dtype=dtype, device=self.stages[0].device)
             grad = params[name].grad
             if name in before and grad is not None:
                 delta = grad - before[name] if before[name] is not None else grad.clone()

@@ -180,6 +180,21 @@ def test_pp2_on_real_models_matches_single_process() -> None:
     torch.testing.assert_close(per_rank[0]["records"]["gpt2"]["head"], per_rank[1]["records"]["gpt2"]["head"], rtol=0, atol=0)
 
 
+PP4 = {"class": "lightning_parallel:HybridParallelStrategy", "pipeline_parallel_size": 4}
+
+
+def test_pp4_sends_values_past_stages() -> None:
+    """Hugging Face decoders compute the attention mask and the rotary tables once, before the first
+    layer, and hand them to every layer: under pp4, stage 0's values reach stages 2 and 3 directly
+    (refused until 2026-12-04, so pp above 2 never ran these models). GPT-2's tied head: its gradient
+    summed over the first and the last stage, the two ranks between sending zeros."""
+    cells = {"llama pp4 (mask and rotary past stages)": (_lm("llama", strategy=PP4, devices=4), False),
+             "gpt2 pp4 (tied head across the stages between)": (_lm("gpt2", strategy=PP4, devices=4), False)}
+    per_rank = check_cells(cells, 4, timeout=600)
+    assert per_rank[0]["records"]["gpt2"]["tied"]
+    torch.testing.assert_close(per_rank[0]["records"]["gpt2"]["head"], per_rank[3]["records"]["gpt2"]["head"], rtol=0, atol=0)
+
+
 # ---------------------------------------------------------------- no process group
 def test_training_step_calling_self_model_is_the_entry_and_labels_stay_out_of_the_trace() -> None:
     torch.manual_seed(0)

@@ -317,8 +317,11 @@ def test_forwards_that_cannot_be_split_are_clear_errors() -> None:
     skip = LongSkip()
     # two stages: the skip crosses one cut, as the cut's input -> fine
     trace_pipeline(skip, (x,), plan=plan_pipeline(skip, 2), microbatches=2, build_eval=False)
-    with pytest.raises(ValueError, match=r"a tensor computed on stage 0 \(stem, blocks.0\) is used on stage 3.*only the inputs of a cut may cross it"):
-        trace_pipeline(skip, (x,), plan=plan_pipeline(skip, 4), microbatches=2, build_eval=False)
+    # four stages, one per rank: stage 0's value goes straight to stage 3 (torch's stages send it there)
+    trace_pipeline(skip, (x,), plan=plan_pipeline(skip, 4), microbatches=2, build_eval=False)
+    # two stages per rank: those schedules send only between adjacent stages
+    with pytest.raises(ValueError, match=r"a tensor computed on stage 0 \(stem, blocks.0\) is used on stage 3.*2 stages per rank.*HINT: use a schedule with one stage per rank"):
+        trace_pipeline(skip, (x,), plan=plan_pipeline(skip, 2, 2, style="loop"), microbatches=2, build_eval=False)
     reused = ReusedBlock()
     with pytest.raises(ValueError, match="traced forward has 4 stages instead of 3: each split point must be called exactly once"):
         trace_pipeline(reused, (x,), plan=plan_pipeline(reused, 3), microbatches=2, build_eval=False)

@@ -200,14 +200,16 @@ def split_packed(func: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[D
         exact = arg == part
     else:
         exact = list(arg) == [part] * n
-    if not exact:
-        return None
+    return _parts(x, dim, n) if exact else None
+
+
+def _parts(x: DTensor, dim: int, n: int) -> tuple[DTensor, ...] | None:
+    """The ``n`` parts of packed ``x`` along ``dim`` as ``Shard(dim)`` DTensors: views of this rank's
+    shard (``[q_r | k_r | v_r]``), no communication; None if the shard does not cut evenly."""
     local = x.to_local()
     if local.shape[dim] % n:
         return None
-    mesh = x.device_mesh
-    return tuple(DTensor.from_local(p, mesh, [Shard(dim)], run_check=False) for p in local.chunk(n, dim=dim))
-
+    return tuple(DTensor.from_local(p, x.device_mesh, [Shard(dim)], run_check=False) for p in local.chunk(n, dim=dim))
 
 
 def _slice_bounds(func: Callable[..., Any], args: tuple, kwargs: dict, ndim: int) -> tuple[int, Any, Any] | None:
@@ -253,11 +255,9 @@ def slice_packed(func: Callable[..., Any], args: tuple, kwargs: dict) -> DTensor
     part = size // n
     if start % part or stop - start != part:
         return None
-    local = x.to_local()
-    if local.shape[dim] % n:
-        return None
-    piece = local.chunk(n, dim=dim)[start // part]
-    return DTensor.from_local(piece, x.device_mesh, [Shard(dim)], run_check=False)
+    parts = _parts(x, dim, n)
+    return parts[start // part] if parts is not None else None
+
 
 def _contiguous_placements(x: DTensor) -> list[Placement]:
     return [Shard(p.dim) if isinstance(p, StridedShard) else p for p in x.placements]

@@ -64,8 +64,8 @@ from lightning_parallel.parallel.pipeline.moe import (
 )
 from lightning_parallel.parallel.pipeline.tensor import (
     apply_stage_tensor_parallel,
-    parameter_placements,
     local_part,
+    parameter_placements,
     retarget_calls,
     swap_optimizer_parameters,
 )
@@ -205,6 +205,7 @@ class PipelineDriver(PipelineStateMixin):
         self._runtime.loss_scale = scaler.scale if scaler is not None else None
         self._runtime.release_non_owned()
         release_host_memory()  # tracing's garbage (export's fake tensors, graphs of the other stages) off the heap
+        stage_fsdp = self.dims.grad_size > 1 and self.strategy.zero_stage >= 1  # FSDP2 shards the stages (below)
         whole = unit_parameter_names(self.module)  # MoE layers' parameters: kept out of tp and ZeRO (see below)
         if self._moe and self.dims.grad_size > 1:  # balance losses over the global microbatch (all its tokens)
             set_moe_stats_group(self.module, self.dims.axis(self.dims.grad_axis).get_group())
@@ -214,7 +215,7 @@ class PipelineDriver(PipelineStateMixin):
             owned = self._runtime.owned_parameter_names() - whole
             mapping = apply_stage_tensor_parallel(self.module, self._runtime.stage_modules(), owned, self.dims.axis(TP), plan)
             swap_optimizer_parameters(self._optimizers(), mapping)
-            if not (self.dims.grad_size > 1 and self.strategy.zero_stage >= 1):  # no FSDP2 below: the plan's layout is final
+            if not stage_fsdp:  # no FSDP2 below: the plan's layout is final
                 tp_mesh = self.dims.axis(TP)
                 self._runtime.shard_shared_gradients({n: (tp_mesh, p) for n, p in parameter_placements(self.module, plan).items()})
             for stage_module in self._runtime.stage_modules():
@@ -236,7 +237,7 @@ class PipelineDriver(PipelineStateMixin):
             experts = [replaced.get(p, p) for p in experts]
         self._expert_params = {id(p) for p in experts}
         self._runtime.finalize_code()  # lean stage code (parallel/pipeline/codegen.py), before FSDP2 wraps the stages
-        if self.dims.grad_size > 1 and self.strategy.zero_stage >= 1:  # -> data-parallel sharding (FSDP2 per stage, over dp x cp)
+        if stage_fsdp:  # -> data-parallel sharding (FSDP2 per stage, over dp x cp)
             runtime = self._runtime
             # MoE layers run eagerly inside opaque ops, on the layer's own parameters, which FSDP2
             # (gathering into the stage's registrations) would not reach: they stay out of it, and

@@ -207,6 +207,13 @@ class _OpaqueForward:
         return OPAQUE_OP(list(args), self.handle)
 
 
+def register_handles(module: nn.Module) -> None:
+    """Give every unit of ``module`` its op handle now, in this process (a trace in a forked child,
+    :mod:`~lightning_parallel.parallel.pipeline.fork_trace`, then uses these: its own registrations would be lost)."""
+    for name, unit in opaque_units(module).items():
+        _handle(unit, name)
+
+
 @contextmanager
 def opaque_forwards(module: nn.Module) -> Iterator[dict[str, nn.Module]]:
     """While tracing: every unit of ``module`` is called through the opaque op; restored on exit."""

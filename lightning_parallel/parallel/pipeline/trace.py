@@ -25,7 +25,8 @@ from lightning_parallel.compat import run_generated_code, tree_leaves
 from lightning_parallel.parallel.blocks import find_repeated_blocks
 from lightning_parallel.parallel.errors import config_error
 from lightning_parallel.parallel.pipeline.foreign import ForeignTrace, foreign_blocks, foreign_calls, restore_forwards
-from lightning_parallel.parallel.pipeline.moe import hold_unit_tensors, opaque_forwards
+from lightning_parallel.parallel.pipeline.fork_trace import run_in_child
+from lightning_parallel.parallel.pipeline.moe import hold_unit_tensors, opaque_forwards, register_handles
 from lightning_parallel.parallel.pipeline.plan import PipelinePlan, _compact
 from lightning_parallel.parallel.pipeline.schedules import batch_size_of, microbatch_example
 
@@ -304,8 +305,13 @@ def trace_pipeline(
     of the graphs' resident heap on 4 stages), their owners still counted. None: every stage whole.
     """
     mb_args, mb_kwargs = microbatch_example(tuple(example_args), dict(example_kwargs or {}), microbatches)
-    train, train_blocks = trace_pipe(module, mb_args, mb_kwargs, plan, training=True, local_stages=local_stages)
-    evaluation, eval_blocks = trace_pipe(module, mb_args, mb_kwargs, plan, training=False, local_stages=local_stages) if build_eval else (None, {})
+
+    def pipes() -> tuple[tuple[Pipe, dict[int, str]], tuple[Pipe | None, dict[int, str]]]:
+        train = trace_pipe(module, mb_args, mb_kwargs, plan, training=True, local_stages=local_stages)
+        return train, trace_pipe(module, mb_args, mb_kwargs, plan, training=False, local_stages=local_stages) if build_eval else (None, {})
+
+    register_handles(module)  # global state the child's trace would otherwise write where this process cannot see it
+    (train, train_blocks), (evaluation, eval_blocks) = run_in_child(pipes, module) or pipes()  # the tracer's heap stays in the child
     canonical = {id(p): n for n, p in module.named_parameters()}
     checkpointed = {name: _non_reentrant_checkpoint for name in checkpoint_blocks} | checkpointed_blocks(module)
     holders = []

@@ -41,6 +41,7 @@ from lightning_parallel.compat import TreeSpec, tree_flatten, tree_unflatten
 from lightning_parallel.parallel.context.hf import shift_labels_globally
 from lightning_parallel.parallel.context.step import active_step
 from lightning_parallel.parallel.errors import config_error
+from lightning_parallel.parallel.pipeline.fork_trace import ship_back
 
 LOSS_KWARGS = ("labels", "num_items_in_batch", "shift_labels")  # consumed by HF's loss_function, not the trace
 DROPPED_KWARGS = ("use_cache",)
@@ -127,7 +128,8 @@ def tracing_forward(root: nn.Module, entry: Entry) -> Iterator[None]:
         previous = root.__dict__.get("forward")
         root.forward = forward  # type: ignore[method-assign]
         try:
-            yield
+            with ship_back(entry.spec):  # filled by the trace, which may run in a forked child
+                yield
         finally:
             if previous is None:
                 del root.forward

@@ -6,7 +6,7 @@ one process): 56 MiB stays resident after the trace, of it 16 MiB the code of th
 ``torch.export`` imports on first use, ~13 MiB pymalloc arenas kept by fragmentation (deleting
 the trace and clearing every cache frees nothing), the rest first-use caches. That put ``pp`` and
 ``3d`` at 0.87 of the model's fp32 parameters P per rank, against 0.75 P wanted. Traced in a child,
-the same rank keeps 14 MiB (the shipped graphs), and the peaks fell to 0.77 P and 0.80 P
+the same rank keeps 11 MiB (the shipped graphs), and the peaks fell to 0.77 P and 0.79 P
 (docs/memory.md); the trace takes 0.7 s longer (pickling, code generated again here), once.
 
 So the rank forks; the child traces (``fn``, any callable returning graphs and plain data) and
@@ -71,9 +71,9 @@ _GENERATED = frozenset({"forward", "_graph", "_code", "_lineno_map", "_prologue_
 
 _SHIP_BACK: list[list[Any]] = []
 # Node metadata nothing reads once the stages are cut (torch.export's provenance and debug records, read by
-# unflatten inside the trace): 60% of the shipped graphs' objects on the GPT above. Kept: "val" (torch's
-# stages size their receive buffers from it), "tensor_meta", "stage_idx" and anything else.
-_TRACE_ONLY_META = frozenset({"from_node", "stack_trace", "nn_module_stack", "source_fn_stack", "torch_fn", "eager_input_vals"})
+# unflatten inside the trace; fx's shape-propagation record). Kept: "val" (torch's stages size their receive
+# buffers from it), "stage_idx" (the split's) and anything else.
+_TRACE_ONLY_META = frozenset({"from_node", "stack_trace", "nn_module_stack", "source_fn_stack", "torch_fn", "eager_input_vals", "tensor_meta"})
 
 
 @contextmanager
@@ -146,10 +146,11 @@ class _Shipper(pickle.Pickler):
         if isinstance(obj, InterpreterModule):
             state = {k: v for k, v in vars(obj).items() if k != "graph_module"}
             return _interpreter_module, (state, obj.__dict__.get("graph_module") is not None)
+        if isinstance(obj, fx.Node):  # pickled as usual, less what only the trace read (the child's copy: gone when it exits)
+            for key in _TRACE_ONLY_META.intersection(obj.meta):
+                del obj.meta[key]
+            return NotImplemented
         if isinstance(obj, fx.Graph):  # its module is rebuilt around it (above); state after creation: nodes point back at it
-            for node in obj.nodes:  # the child's own copy, gone when it exits (fx.Node itself is a C type: not rebuilt here)
-                for key in _TRACE_ONLY_META.intersection(node.meta):
-                    del node.meta[key]
             return _new, (fx.Graph,), {k: v for k, v in vars(obj).items() if k != "_owning_module"}
         return NotImplemented
 

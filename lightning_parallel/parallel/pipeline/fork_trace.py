@@ -192,33 +192,41 @@ def run_in_child(fn: Callable[[], T], module: nn.Module, timeout: float = 600.0)
     read_fd, write_fd = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: never returns, never runs the parent's exit handlers
-        buffer = io.BytesIO()
+        status = 1
         try:
             os.close(read_fd)
-            buffer.write(b"\0")
-            result = fn()
-            _Shipper(buffer, known).dump((result, [list(filled) for filled in _SHIP_BACK]))
-        except BaseException as error:  # noqa: BLE001 - any failure: the parent traces in-process (and raises the model's error)
-            buffer = io.BytesIO(b"\1" + f"{type(error).__name__}: {error}"[:2000].encode(errors="replace"))
-        try:
+            buffer = io.BytesIO(b"\0")
+            buffer.seek(1)
+            try:
+                _Shipper(buffer, known).dump((fn(), [list(filled) for filled in _SHIP_BACK]))
+            except BaseException as error:  # noqa: BLE001 - any failure: the parent traces in-process (and raises the model's error)
+                buffer = io.BytesIO(b"\1" + f"{type(error).__name__}: {error}"[:2000].encode(errors="replace"))
             view = memoryview(buffer.getbuffer())
             while view:
                 view = view[os.write(write_fd, view):]
+            status = 0  # everything written
         finally:
-            os._exit(0)
+            os._exit(status)
     os.close(write_fd)
     try:
         data = _read(read_fd, pid, timeout)
+    except BaseException:  # interrupted here: the child must not outlive the wait
+        os.kill(pid, signal.SIGKILL)
+        raise
     finally:
         os.close(read_fd)
         _, status = os.waitpid(pid, 0)
     if not data or data[:1] != b"\0" or status != 0:
-        why = data[1:].decode(errors="replace") if data else f"no result, exit status {status}"
+        why = data[1:].decode(errors="replace") if data and data[:1] == b"\1" else f"exit status {status}, {len(data or b'')} bytes"
         log.debug("tracing in a child process failed (%s); tracing in-process", why)
         return None
-    with warnings.catch_warnings():  # torch's pytree warns when its own LeafSpec is rebuilt (unpickled)
-        warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
-        result, filled = _Receiver(io.BytesIO(data[1:]), known).load()
+    try:
+        with warnings.catch_warnings():  # torch's pytree warns when its own LeafSpec is rebuilt (unpickled)
+            warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+            result, filled = _Receiver(io.BytesIO(data[1:]), known).load()
+    except Exception as error:  # noqa: BLE001 - what the child sent cannot be rebuilt here: trace in-process
+        log.debug("the child's trace could not be rebuilt (%s: %s); tracing in-process", type(error).__name__, error)
+        return None
     for target, items in zip(_SHIP_BACK, filled, strict=True):
         target[:] = items
     return result

@@ -303,6 +303,8 @@ def trace_pipeline(
     ``local_stages``: the stages this rank will build (``plan.stages_for_rank``); the blocks of the
     others are traced as opaque calls (:mod:`~lightning_parallel.parallel.pipeline.foreign`: a quarter
     of the graphs' resident heap on 4 stages), their owners still counted. None: every stage whole.
+    The pipes are traced in a forked child where that is available, so that the tracer's heap does not
+    stay in this process (:mod:`~lightning_parallel.parallel.pipeline.fork_trace`); in-process otherwise.
     """
     mb_args, mb_kwargs = microbatch_example(tuple(example_args), dict(example_kwargs or {}), microbatches)
 

@@ -108,6 +108,20 @@ def test_what_the_child_puts_in_a_shipped_list_arrives_here() -> None:
     assert len(box) == 1 and box[0] != os.getpid(), "filled by the child, and only once"
 
 
+def test_tensors_that_are_not_the_modules_arrive_as_values() -> None:
+    """Constants and export's copies of tied tensors are shipped by their bytes (not torch's own pickling,
+    which would ``torch.load`` them with ``weights_only=False``); the module's own travel by identity."""
+    module = nn.Linear(2, 2)
+    sent = (torch.arange(6.0).reshape(2, 3).t(), nn.Parameter(torch.ones(2)), torch.tensor([], dtype=torch.bfloat16),
+            torch.tensor([True, False]), module.weight)
+    got = run_in_child(lambda: sent, module)
+    assert got is not None
+    for a, b in zip(got[:4], sent[:4]):
+        assert type(a) is type(b) and a.dtype == b.dtype and a.requires_grad == b.requires_grad
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert got[4] is module.weight
+
+
 def test_a_failing_or_stuck_child_leaves_the_work_to_this_process(monkeypatch: pytest.MonkeyPatch) -> None:
     def fails() -> None:
         raise ValueError("the model's own error")

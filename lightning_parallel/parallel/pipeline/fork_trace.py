@@ -39,6 +39,7 @@ where the tracer's heap (tens of MiB here) exceeds those.
 
 from __future__ import annotations
 
+import gc
 import io
 import logging
 import os
@@ -101,6 +102,12 @@ def _meta_value(shape: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dt
     return torch.empty_strided(shape, stride, dtype=dtype, device="meta").requires_grad_(requires_grad)
 
 
+def _tensor_value(raw: bytes, dtype: torch.dtype, shape: tuple[int, ...], requires_grad: bool, parameter: bool) -> torch.Tensor:
+    flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+    value = flat.view(dtype).reshape(shape) if raw else torch.empty(shape, dtype=dtype)
+    return nn.Parameter(value, requires_grad) if parameter else value.requires_grad_(requires_grad)
+
+
 def _graph_module(state: dict[str, Any], graph: fx.Graph, class_name: str) -> fx.GraphModule:
     root = nn.Module()
     root.__dict__.update(state)
@@ -139,6 +146,11 @@ class _Shipper(pickle.Pickler):
             return _operator, (namespace, name, None)
         if isinstance(obj, FakeTensor):
             return _meta_value, (tuple(obj.shape), tuple(obj.stride()), obj.dtype, obj.requires_grad)
+        if type(obj) in (torch.Tensor, nn.Parameter) and obj.device.type == "cpu":  # a constant or export's copy of a tied
+            # tensor: its bytes (torch's own reduction would torch.load them here with weights_only=False)
+            flat = obj.detach().reshape(-1).contiguous()
+            raw = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+            return _tensor_value, (raw, obj.dtype, tuple(obj.shape), obj.requires_grad, isinstance(obj, nn.Parameter))
         if isinstance(obj, fx.GraphModule):
             state = {k: v for k, v in vars(obj).items() if k not in _GENERATED}
             name = type(obj).__name__
@@ -190,7 +202,16 @@ def run_in_child(fn: Callable[[], T], module: nn.Module, timeout: float = 600.0)
         return None
     known = _known(module)
     read_fd, write_fd = os.pipe()
-    pid = os.fork()
+    # Garbage that exists now stays this process's: frozen objects are never collected in the child, so no
+    # finalizer of this process's objects (a process group's, a data loader's) runs there.
+    gc.freeze()
+    try:
+        pid = os.fork()
+    except BaseException:
+        gc.unfreeze()
+        raise
+    if pid != 0:
+        gc.unfreeze()
     if pid == 0:  # the child: never returns, never runs the parent's exit handlers
         status = 1
         try:

@@ -16,6 +16,7 @@ tracer's heap, imports and caches with it. What crosses the pipe:
 * the module's own parameters, buffers and submodules travel by identity, not value: a forked
   child's objects have the parent's ``id``s, so the pickle names them by ``id`` and the parent
   puts its own objects back (nothing is copied, a real model's weights included);
+* other tensors (constants, ``torch.export``'s copies of tied tensors) as their bytes;
 * fx graphs as they are, nodes and the metadata read after the cut (not ``torch.export``'s
   provenance and debug records: :data:`_TRACE_ONLY_META`); a fake tensor in a node's ``meta["val"]`` arrives
   as a meta tensor of the same shape, strides and dtype (what the stages read from it), an ATen
@@ -26,6 +27,9 @@ State the trace writes outside its result would be written in the child only: th
 it first (MoE opaque op handles: :func:`~lightning_parallel.parallel.pipeline.moe.register_handles`),
 or names the lists the traced forward fills (:func:`ship_back`: the output structure of a child
 module's call the pipeline driver records), whose contents the child sends back with the result.
+The other way round, the child must not act on the rank's own objects: the garbage collector is
+frozen across the fork, so an earlier fit's process groups (whose sockets the child shares), data
+loaders or files that are garbage now are not finalized in the child.
 
 When not used (the caller then traces in-process, with the same results): not Linux (``fork``
 is unsafe on macOS), CUDA initialised in this process (a forked child cannot use it), or

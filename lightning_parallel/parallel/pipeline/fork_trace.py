@@ -73,12 +73,11 @@ _PACKET = type(torch.ops.aten.linear)
 _GENERATED = frozenset({"forward", "_graph", "_code", "_lineno_map", "_prologue_start", "_tracer_cls", "_tracer_extras",
                         "_replace_hooks", "_create_node_hooks", "_erase_node_hooks", "_deepcopy_hooks", "shape_env"})
 
-
-_SHIP_BACK: list[list[Any]] = []
 # Node metadata nothing reads once the stages are cut (torch.export's provenance and debug records, read by
 # unflatten inside the trace; fx's shape-propagation record). Kept: "val" (torch's stages size their receive
 # buffers from it), "stage_idx" (the split's) and anything else.
 _TRACE_ONLY_META = frozenset({"from_node", "stack_trace", "nn_module_stack", "source_fn_stack", "torch_fn", "eager_input_vals", "tensor_meta"})
+_SHIP_BACK: list[list[Any]] = []  # the lists ship_back names, innermost last
 
 
 @contextmanager
@@ -107,8 +106,7 @@ def _meta_value(shape: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dt
 
 
 def _tensor_value(raw: bytes, dtype: torch.dtype, shape: tuple[int, ...], requires_grad: bool, parameter: bool) -> torch.Tensor:
-    flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
-    value = flat.view(dtype).reshape(shape) if raw else torch.empty(shape, dtype=dtype)
+    value = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape) if raw else torch.empty(shape, dtype=dtype)
     return nn.Parameter(value, requires_grad) if parameter else value.requires_grad_(requires_grad)
 
 

@@ -35,10 +35,12 @@ from lightning_parallel.strategies.pipeline.entry import Entry, split_kwargs, tr
 from lightning_parallel.strategies.pipeline.logs import probe_entry_inputs
 from lightning_parallel.testing import run_distributed
 from lightning_parallel.testing.parity import FitSpec, run_fits
+from lightning_parallel.testing.more_families import MORE_FAMILIES
 from lightning_parallel.testing.real_models import HFCausalLM
 from tests.test_data_parallel import assert_parity
 
 RM = "lightning_parallel.testing.real_models"
+T5 = MORE_FAMILIES["t5"]
 CLIP = {"gradient_clip_val": 0.5}
 MICROBATCHES = 2  # pp's default for 2 ranks
 
@@ -95,6 +97,9 @@ PP2_CELLS: dict[str, tuple[FitSpec, bool]] = {
             "expert_layer_offset": 1, "attn_layer_period": 2, "attn_layer_offset": 1, "mamba_d_state": 8, "mamba_d_conv": 4,
             "mamba_expand": 2, "mamba_dt_rank": 4, "use_mamba_kernels": False}), False),
     "phi3 padding labels=": (_lm("phi3", loss="labels", padding=True, data=f"{RM}:padded_token_data"), True),
+    # An encoder-decoder computing its loss inside: labels and the decoder inputs shifted from them are read
+    # by the decoder's stage, the encoder's output is returned: all routed through stage 0 / the last stage.
+    "t5 labels= (encoder-decoder)": (_lm(T5[0], loss="labels", config=T5[2]), False),
     # lr 0.01: at the default 0.1 the accumulating comparison reaches 2.4e-5 at step 5 (BatchNorm over
     # 4 samples of 1x1 maps in layer4 amplifies round-off; the same step at one microbatch stays ~1e-7).
     "resnet (BatchNorm per microbatch)": (_vision("resnet", lr=0.01), True),
@@ -111,25 +116,28 @@ def _single_process(spec: FitSpec, accumulating: bool) -> FitSpec:
 
 
 def fit_and_validate(devices: int) -> dict[str, float]:
-    """A labels= model fitted with a validation loader, then ``trainer.validate``: the forward-only
-    pipe serves ``validation_step``'s ``self.model(..., labels=...)`` (the loss of the merged batch)."""
+    """labels= models fitted with a validation loader, then ``trainer.validate``: the forward-only
+    pipe serves ``validation_step``'s ``self.model(..., labels=...)`` (Llama: the loss of the merged
+    batch; T5, whose last stage computes it: the mean of the microbatches' losses)."""
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader, Subset
 
     import lightning_parallel  # noqa: F401
     from lightning_parallel.testing.parity import token_data
 
-    pl.seed_everything(3, verbose=False)
-    model = HFCausalLM(family="llama", loss="labels")
-    data = token_data()
-    train = DataLoader(Subset(data, range(0, 32)), batch_size=8, drop_last=True)
-    val = DataLoader(Subset(data, range(64, 96)), batch_size=8, drop_last=True)
-    trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy="pp" if devices > 1 else "auto", max_epochs=1, logger=False,
-                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                         use_distributed_sampler=False, num_sanity_val_steps=0)
-    trainer.fit(model, train, val)
-    out = {f"fit {k}": float(v) for k, v in trainer.callback_metrics.items()}
-    out.update({f"validate {k}": v for k, v in trainer.validate(model, val, verbose=False)[0].items()})
+    out: dict[str, float] = {}
+    for family, config in (("llama", None), (T5[0], T5[2])):
+        pl.seed_everything(3, verbose=False)
+        model = HFCausalLM(family=family, loss="labels", config=config)
+        data = token_data()
+        train = DataLoader(Subset(data, range(0, 32)), batch_size=8, drop_last=True)
+        val = DataLoader(Subset(data, range(64, 96)), batch_size=8, drop_last=True)
+        trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy="pp" if devices > 1 else "auto", max_epochs=1, logger=False,
+                             enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                             use_distributed_sampler=False, num_sanity_val_steps=0)
+        trainer.fit(model, train, val)
+        out.update({f"{family} fit {k}": float(v) for k, v in trainer.callback_metrics.items()})
+        out.update({f"{family} validate {k}": v for k, v in trainer.validate(model, val, verbose=False)[0].items()})
     return out
 
 
@@ -219,14 +227,50 @@ class _LabelsChild(nn.Module):
         return self.fc(x)
 
 
-def test_labels_outside_hf_causal_lms_and_router_logits_are_typed_errors() -> None:
+def test_labels_outside_hf_causal_lms_stay_in_the_trace_and_router_logits_are_a_typed_error() -> None:
     holder = nn.Module()
     holder.net = _LabelsChild()
-    with pytest.raises(ValueError, match=r"labels=.*causal LMs.*HINT: compute the loss in training_step"):
-        split_kwargs(Entry("net"), holder, {"x": torch.ones(2, 4), "labels": torch.ones(2)})
+    traced, loss = split_kwargs(Entry("net"), holder, {"x": torch.ones(2, 4), "labels": torch.ones(2), "use_cache": True})
+    assert set(traced) == {"x", "labels"} and loss == {}  # the model's own loss, in its last stage
     moe = HFCausalLM(family="mixtral", loss="labels", n_layer=2, config={"output_router_logits": True})
     with pytest.raises(ValueError, match=r"output_router_logits.*router logits on the last stage"):
         split_kwargs(Entry("model"), moe, {"input_ids": torch.ones(2, 4, dtype=torch.long), "labels": torch.ones(2, 4)})
+
+
+def test_inputs_read_after_the_first_cut_and_outputs_computed_before_the_last_are_routed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """T5 with labels=: the decoder's stage reads the labels (its inputs shifted from them, and the
+    loss); the forward returns the encoder's output. The trace copies them in stage 0 and in the last
+    stage; each stage's graph then equals the one-process forward. A model that needs no routing is
+    traced once per pipe."""
+    from lightning_parallel.parallel.pipeline import trace as trace_module
+
+    monkeypatch.setenv("LIGHTNING_PARALLEL_TRACE_IN_CHILD", "0")  # count the traces here
+    torch.manual_seed(0)
+    module = HFCausalLM(family=T5[0], loss="labels", config=T5[2])
+    x = torch.randint(0, 64, (4, 16))
+    plan = plan_pipeline(module, 2)
+    calls = [0]
+    original = trace_module.pipeline
+    trace_module.pipeline = lambda *a, **k: (calls.__setitem__(0, calls[0] + 1), original(*a, **k))[1]
+    try:
+        with tracing_forward(module, Entry("model")):
+            traced = trace_pipeline(module, (), {"input_ids": x, "labels": x}, plan=plan, microbatches=1, build_eval=False)
+        assert calls[0] == 2, "traced, then again with the labels copied in stage 0 and the encoder output copied last"
+        first, last = traced.train.get_stage_module(0), traced.train.get_stage_module(1)
+        graph = traced.train.split_gm.graph
+        stage_calls = [n for n in graph.nodes if n.op == "call_module"]
+        assert all(a.op != "placeholder" for a in stage_calls[1].all_input_nodes), "the decoder's stage reads only stage 0's values"
+        out = last(*first(input_ids=x, labels=x))
+        reference = module.model(input_ids=x, labels=x)
+        torch.testing.assert_close(out[0], reference.loss, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(out[1], reference.logits, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(out[2], reference.encoder_last_hidden_state, rtol=1e-6, atol=1e-7)
+        calls[0] = 0
+        llama = HFCausalLM(family="llama", n_layer=2)
+        trace_pipeline(llama, (x,), {}, plan=plan_pipeline(llama, 2), microbatches=1, build_eval=False)
+        assert calls[0] == 1
+    finally:
+        trace_module.pipeline = original
 
 
 def test_hf_gradient_checkpointing_recomputes_traced_layers() -> None:

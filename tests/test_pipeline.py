@@ -24,7 +24,7 @@ from lightning_parallel.parallel.dims import PP, ParallelDims
 from lightning_parallel.parallel.pipeline.runtime import build_pipeline
 from lightning_parallel.parallel.pipeline.trace import trace_pipeline
 from lightning_parallel.parallel.pipeline.plan import plan_pipeline
-from lightning_parallel.parallel.pipeline.schedules import resolve_virtual_stages, schedule_spec
+from lightning_parallel.parallel.pipeline.schedules import merge_microbatch_outputs, resolve_virtual_stages, schedule_spec
 from lightning_parallel.launcher import DistributedRunError
 from lightning_parallel.testing import run_distributed
 
@@ -297,6 +297,40 @@ class LongSkip(nn.Module):
         for block in self.blocks:
             h = block(h)
         return h + s
+
+
+class ReadsLate(nn.Module):
+    """Reads an input after the last block and returns the stem's output too (an encoder-decoder's shape)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(4, 4)
+        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(4))
+
+    def forward(self, x: Tensor, shift: Tensor) -> tuple[Tensor, Tensor]:
+        h = s = self.stem(x)
+        for block in self.blocks:
+            h = block(h)
+        return h * shift, s
+
+
+def test_inputs_read_late_and_outputs_computed_early_pass_through_the_first_and_last_stage() -> None:
+    torch.manual_seed(0)
+    model, x, shift = ReadsLate(), torch.randn(4, 4), torch.randn(4, 4)
+    traced = trace_pipeline(model, (x, shift), plan=plan_pipeline(model, 2), microbatches=1, build_eval=False)
+    stages = [traced.train.get_stage_module(k) for k in range(2)]
+    calls = [n for n in traced.train.split_gm.graph.nodes if n.op == "call_module"]
+    assert all(a.op != "placeholder" for a in calls[1].all_input_nodes), "stage 1 reads only what stage 0 sends"
+    out = stages[1](*stages[0](x, shift))
+    torch.testing.assert_close(out, model(x, shift), rtol=0, atol=0)
+
+
+def test_eval_outputs_merge_a_per_microbatch_loss_by_the_loss_reduction() -> None:
+    chunks = [{"loss": torch.tensor(float(k)), "logits": torch.full((2, 3), float(k)), "n": 7} for k in (1, 3)]
+    merged = merge_microbatch_outputs(chunks, "mean")
+    assert merged["loss"].item() == 2.0 and merged["n"] == 7
+    torch.testing.assert_close(merged["logits"], torch.cat([c["logits"] for c in chunks]))
+    assert merge_microbatch_outputs(chunks, "sum")["loss"].item() == 4.0
 
 
 class ReusedBlock(nn.Module):

@@ -107,7 +107,7 @@ class PipelineRuntime:
         self.loss_scale: Callable[[Tensor], Tensor] | None = None
         self._mb_losses: list[Tensor] = []
         self._train = build_schedule(spec, train_stages, microbatches, self._scaled_loss)
-        self._eval = build_eval_schedule(spec, eval_stages, microbatches, [s.rank for s in plan.stages]) if eval_stages else None
+        self._eval = build_eval_schedule(spec, eval_stages, microbatches, [s.rank for s in plan.stages], loss_reduction) if eval_stages else None
         self._holders = holders  # canonical FQN -> pipeline ranks whose stages use it
         params = dict(module.named_parameters())
         self._owned = {n for n, ranks in holders.items() if self.pp_rank in ranks}

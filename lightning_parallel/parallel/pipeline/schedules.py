@@ -32,8 +32,10 @@ from lightning_parallel.compat import (
     PipelineComputationType,
     PipelineScheduleRuntime,
     modify_graph_op_device,
+    tree_flatten,
     tree_leaves,
     tree_map,
+    tree_unflatten,
 )
 from lightning_parallel.parallel.errors import config_error
 
@@ -206,7 +208,39 @@ class _ForwardOnlyMapping(_sched.PipelineScheduleMulti):
             stage.stage_index_to_group_rank = self.stage_index_to_group_rank
 
 
-class ForwardOnlyMulti(PipelineScheduleRuntime, _ForwardOnlyMapping):
+def merge_microbatch_outputs(chunks: list[Any], reduction: Literal["mean", "sum"]) -> Any:
+    """The microbatches' outputs as one batch's. Tensors with a batch dim are concatenated along it
+    (torch's default merge); a 0-dim tensor, a loss the model computes per microbatch (an
+    encoder-decoder given ``labels=``), is their mean or sum (``reduction``, as for the training
+    loss), where torch's merge fails to concatenate it; anything else is microbatch 0's."""
+    flat = [tree_flatten(chunk)[0] for chunk in chunks]
+    spec = tree_flatten(chunks[0])[1]
+    merged: list[Any] = []
+    for values in zip(*flat):
+        if isinstance(values[0], Tensor) and values[0].dim() > 0:
+            merged.append(torch.cat(values))
+        elif isinstance(values[0], Tensor):
+            total = torch.stack(values).sum()
+            merged.append(total / len(values) if reduction == "mean" else total)
+        else:
+            merged.append(values[0])
+    return tree_unflatten(merged, spec)
+
+
+class _MergedOutputs:
+    """An evaluation schedule's merge of its microbatches' outputs (:func:`merge_microbatch_outputs`)."""
+
+    loss_reduction: Literal["mean", "sum"] = "mean"
+
+    def _merge_outputs(self, output_chunks: list[Any]) -> Any:
+        return merge_microbatch_outputs(output_chunks, self.loss_reduction)
+
+
+class ForwardOnlyGPipe(_MergedOutputs, _sched.ScheduleGPipe):
+    """torch's GPipe forward (one stage per rank), with the merge above."""
+
+
+class ForwardOnlyMulti(_MergedOutputs, PipelineScheduleRuntime, _ForwardOnlyMapping):
     """Forward-only schedule for several stages per rank, in any placement (loop or V).
 
     torch's multi-stage schedules run their backward actions even without a loss function, so
@@ -225,12 +259,16 @@ class ForwardOnlyMulti(PipelineScheduleRuntime, _ForwardOnlyMapping):
         self._prepare_schedule_with_comms(order)
 
 
-def build_eval_schedule(spec: ScheduleSpec, stages: list[Any], microbatches: int, stage_ranks: list[int]) -> Any:
+def build_eval_schedule(spec: ScheduleSpec, stages: list[Any], microbatches: int, stage_ranks: list[int],
+                        loss_reduction: Literal["mean", "sum"] = "mean") -> Any:
     """A forward-only schedule over the same stages placement as ``spec``'s training schedule."""
     if spec.style == "single":
         assert len(stages) == 1, len(stages)
-        return _sched.ScheduleGPipe(stages[0], microbatches, loss_fn=None, scale_grads=False)
-    return ForwardOnlyMulti(stages, microbatches, stage_ranks)
+        schedule: Any = ForwardOnlyGPipe(stages[0], microbatches, loss_fn=None, scale_grads=False)
+    else:
+        schedule = ForwardOnlyMulti(stages, microbatches, stage_ranks)
+    schedule.loss_reduction = loss_reduction
+    return schedule
 
 
 def microbatch_example(args: tuple[Any, ...], kwargs: dict[str, Any], microbatches: int) -> tuple[tuple[Any, ...], dict[str, Any]]:

@@ -28,6 +28,7 @@ from lightning_parallel.parallel.pipeline.foreign import ForeignTrace, foreign_b
 from lightning_parallel.parallel.pipeline.fork_trace import run_in_child
 from lightning_parallel.parallel.pipeline.moe import hold_unit_tensors, opaque_forwards, register_handles
 from lightning_parallel.parallel.pipeline.plan import PipelinePlan, _compact
+from lightning_parallel.parallel.pipeline.route_inputs import Routing, cut_source, routed
 from lightning_parallel.parallel.pipeline.schedules import batch_size_of, microbatch_example
 
 
@@ -88,9 +89,14 @@ def _trace_pipe(
     blocks = [n for n, _ in find_repeated_blocks(module)]
     try:
         module.train(training)
-        with foreign_blocks(module, blocks, plan.split_points, local_stages) as foreign, \
-                _split_markers(module, plan.split_points, foreign), opaque_forwards(module):
-            pipe = pipeline(module, mb_args, mb_kwargs)
+        routing = Routing()
+        for _ in range(3):  # again, with the inputs a later stage reads or the outputs an earlier one computes copied (route_inputs.py)
+            with routed(module, routing), foreign_blocks(module, blocks, plan.split_points, local_stages) as foreign, \
+                    _split_markers(module, plan.split_points, foreign), opaque_forwards(module):
+                pipe = pipeline(module, mb_args, mb_kwargs)
+            if not (needed := Routing.needed(pipe)):
+                break
+            routing |= needed
     except Exception as error:  # export raises many types; all mean "cannot split this forward"
         raise config_error(
             ValueError,
@@ -121,12 +127,6 @@ def _trace_pipe(
     return pipe, dict(foreign.blocks)
 
 
-def _source(node: fx.Node) -> fx.Node:
-    while node.op == "call_function" and node.target is operator.getitem:
-        node = node.args[0]  # type: ignore[assignment]
-    return node
-
-
 def _check_stage_graph(pipe: Pipe, plan: PipelinePlan) -> None:
     """Stage k may read earlier stages' outputs (stage 0: the batch; only stage k-1's under a schedule with
     several stages per rank); the model output is the last stage's."""
@@ -141,13 +141,13 @@ def _check_stage_graph(pipe: Pipe, plan: PipelinePlan) -> None:
         for arg in tree_leaves((node.args, node.kwargs)):
             if not isinstance(arg, fx.Node):
                 continue
-            src = _source(arg)
-            if src.op == "placeholder" and k > 0:
+            src = cut_source(arg)
+            if src.op == "placeholder" and k > 0:  # not a tensor (copying routes tensors through stage 0)
                 raise config_error(
                     ValueError,
                     "split_points",
                     list(plan.split_points),
-                    f"forward input `{src.name}` is used by {where(k)}, but only stage 0 receives the batch",
+                    f"forward input `{src.name}` is used by {where(k)}, but only stage 0 receives the batch, and it is not a tensor that stage 0 could send",
                     "use that input before the first cut only, or move the cuts after its last use",
                 )
             if src.op == "call_module" and index[src.name] < k - 1 and plan.virtual_stages == 1:
@@ -166,12 +166,12 @@ def _check_stage_graph(pipe: Pipe, plan: PipelinePlan) -> None:
                 )
     output = next(n for n in graph.nodes if n.op == "output")
     for arg in tree_leaves(output.args):
-        if isinstance(arg, fx.Node) and _source(arg) is not calls[-1]:
+        if isinstance(arg, fx.Node) and cut_source(arg) is not calls[-1]:
             raise config_error(
                 ValueError,
                 "module.forward",
                 list(plan.split_points),
-                f"forward returns a value computed before the last stage ({_source(arg).name}); only the last stage's result leaves the pipeline",
+                f"forward returns a value computed before the last stage ({cut_source(arg).name}); only the last stage's result leaves the pipeline",
                 "return only values computed from the last block onward",
             )
 

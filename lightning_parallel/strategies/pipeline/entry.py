@@ -14,12 +14,16 @@ registered pytree). In the loss role the child's ``forward`` returns that output
 the last stage's tensors. Three Hugging Face conventions are handled here, each because the
 trace could not carry it:
 
-* ``labels=`` (the loss inside the model): the loss would be computed on the last stage from
-  a tensor only the first stage receives. The labels are kept out of the trace and the loss is
-  the model's own ``loss_function(logits, labels, vocab_size)`` on the last stage's logits,
-  what the model's ``forward`` computes (Hugging Face causal LMs, ``loss_type="ForCausalLM"``).
-  Under context parallelism the last stage's cp peers shift each microbatch's labels over the
-  whole sequence first (``parallel/context/hf.py``), as the unpipelined model call does.
+* ``labels=`` (the loss inside the model): a Hugging Face causal LM's loss would be computed on
+  the last stage from a tensor only the first stage receives. Its labels are kept out of the trace
+  and the loss is the model's own ``loss_function(logits, labels, vocab_size)`` on the last stage's
+  logits, what the model's ``forward`` computes (``loss_type="ForCausalLM"``); under context
+  parallelism the last stage's cp peers shift each microbatch's labels over the whole sequence
+  first (``parallel/context/hf.py``), as the unpipelined model call does. Any other model (an
+  encoder-decoder, whose labels also make its decoder inputs) keeps its labels in the trace: the
+  tracer routes an input a later stage reads through stage 0
+  (:mod:`~lightning_parallel.parallel.pipeline.route_inputs`), and the model computes its own loss
+  on its last stage, per microbatch (averaged over them like any pipelined loss).
 * ``use_cache`` (on by default): a ``DynamicCache`` built during training is never read (no
   earlier tokens), and it would leave the last stage as an output; every ``config.use_cache``
   under the module is off while tracing, and a ``use_cache=`` keyword is dropped, which changes
@@ -67,24 +71,18 @@ def split_kwargs(entry: Entry, root: nn.Module, kwargs: dict[str, Any]) -> tuple
     if not entry.name:
         return dict(kwargs), {}
     sub = entry.module(root)
-    traced = {k: v for k, v in kwargs.items() if k not in LOSS_KWARGS and k not in DROPPED_KWARGS}
-    loss = {k: v for k, v in kwargs.items() if k in LOSS_KWARGS and v is not None}
     config = getattr(sub, "config", None)
-    if loss and not is_hf_causal_lm(sub):
-        raise config_error(
-            ValueError, "training_step", f"self.{entry.name}(..., labels=...)",
-            f"under pipeline parallelism a loss computed inside `{type(sub).__name__}` is supported for Hugging Face causal LMs "
-            f"(*ForCausalLM / *LMHeadModel with loss_type 'ForCausalLM'; got loss_type {getattr(sub, 'loss_type', None)!r}): "
-            "the labels reach the first stage only",
-            "compute the loss in training_step from the model's logits (e.g. F.cross_entropy), without labels=",
-        )
-    if loss and (kwargs.get("output_router_logits") or getattr(config, "output_router_logits", False)):
+    if any(kwargs.get(k) is not None for k in LOSS_KWARGS) and (kwargs.get("output_router_logits") or getattr(config, "output_router_logits", False)):
         raise config_error(
             ValueError, "output_router_logits", True,
             "the router auxiliary loss needs every layer's router logits on the last stage, but each stage holds only its own",
             "set config.output_router_logits=False (the MoE layers run as opaque ops; use the strategy's moe_aux_loss_coef "
             "for balancing), or use a strategy without pipeline parallelism",
         )
+    if not is_hf_causal_lm(sub):  # the model computes its loss in its last stage, from labels routed there (route_inputs.py)
+        return {k: v for k, v in kwargs.items() if k not in DROPPED_KWARGS}, {}
+    traced = {k: v for k, v in kwargs.items() if k not in LOSS_KWARGS and k not in DROPPED_KWARGS}
+    loss = {k: v for k, v in kwargs.items() if k in LOSS_KWARGS and v is not None}
     return traced, loss
 
 

@@ -31,6 +31,7 @@ from torch import Tensor, fx, nn
 from torch.distributed.pipelining import Pipe
 
 from lightning_parallel.compat import tree_flatten, tree_leaves, tree_unflatten
+from lightning_parallel.parallel.pipeline.foreign import restore_forwards
 
 
 def cut_source(node: fx.Node) -> fx.Node:
@@ -112,10 +113,7 @@ def routed(module: nn.Module, routing: Routing) -> Iterator[None]:
     try:
         yield
     finally:
-        if previous is None:
-            del module.forward
-        else:
-            module.forward = previous  # type: ignore[method-assign]
+        restore_forwards([(module, previous)])
 
 
 __all__ = ["Routing", "cut_source", "early_outputs", "late_inputs", "routed"]

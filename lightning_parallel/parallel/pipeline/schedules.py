@@ -213,8 +213,8 @@ def merge_microbatch_outputs(chunks: list[Any], reduction: Literal["mean", "sum"
     (torch's default merge); a 0-dim tensor, a loss the model computes per microbatch (an
     encoder-decoder given ``labels=``), is their mean or sum (``reduction``, as for the training
     loss), where torch's merge fails to concatenate it; anything else is microbatch 0's."""
-    flat = [tree_flatten(chunk)[0] for chunk in chunks]
-    spec = tree_flatten(chunks[0])[1]
+    flattened = [tree_flatten(chunk) for chunk in chunks]
+    flat, spec = [leaves for leaves, _ in flattened], flattened[0][1]
     merged: list[Any] = []
     for values in zip(*flat):
         if isinstance(values[0], Tensor) and values[0].dim() > 0:

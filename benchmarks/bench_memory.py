@@ -14,7 +14,9 @@ stages in the first step, so for them the second point includes it) and after th
   an op returns and every storage resize, and the storage's free), entered before the model is
   built; the set-up peak is reset at ``on_train_start`` so the second number is training's own;
 * peak RSS growth over the process at start (``VmHWM`` after ``clear_refs``; includes the
-  allocator's caching and everything that is not a tensor);
+  allocator's caching and everything that is not a tensor), and of it the growth of file-backed
+  pages (``RssFile`` at the end over the start: libtorch's code and data paged in as kernels first
+  run, the same pages in every rank of a node, which a cgroup charges once, not once per rank);
 * the parameters and gradients each rank holds after the last step (local storage);
 * the step time (mean after the first step), and with ``--compare-unpinned`` the same layout run
   again with glibc's dynamic mmap threshold (``parallel/allocator.py`` switched off): peak RSS and the
@@ -212,7 +214,7 @@ def _worker(args: argparse.Namespace, layout: str) -> dict[str, Any]:
 
         allocator.pin_host_allocator = lambda *a, **k: False  # type: ignore[assignment]
     _reset_peak_rss()
-    base_rss = _status("VmRSS")
+    base_rss, base_file = _status("VmRSS"), _status("RssFile")
     step_times: list[float] = []
     tracker = LiveBytes()
     saved = SavedActivations()
@@ -263,6 +265,7 @@ def _worker(args: argparse.Namespace, layout: str) -> dict[str, Any]:
         loader = DataLoader(data, batch_size=max(1, args.batch // sampler_kwargs["num_replicas"]), sampler=sampler)
         trainer.fit(model, loader)
     points["train"] = snapshot()
+    points["file"] = _status("RssFile") - base_file  # file-backed pages stay mapped: the end is their peak
     dims = getattr(trainer.strategy, "parallel_dims", None)
     later = step_times[1:] or step_times  # the first step builds pipelines and warms up
     return {"points": points, "dims": dims.describe() if dims is not None else "ddp", "step_s": sum(later) / len(later),
@@ -316,8 +319,9 @@ def main() -> None:
         print(f"{'':14} training peak at: {worst['points']['train']['site']}", flush=True)
         rss_peak = max(max(r["points"]["setup"]["rss"], r["points"]["train"]["rss"]) for r in results)
         rss_ideal = max(share + r["points"]["train"]["activations"] for r in results)
+        file_backed = max(r["points"]["file"] for r in results)
         step = max(r["step_s"] for r in results)
-        line = (f"{'':14} peak RSS growth per rank {rss_peak / P:.2f} P (tensor-exact {train / P:.2f} P, ideal {rss_ideal / P:.2f} P;"
+        line = (f"{'':14} peak RSS growth per rank {rss_peak / P:.2f} P (of it file-backed {file_backed / P:.2f} P; tensor-exact {train / P:.2f} P, ideal {rss_ideal / P:.2f} P;"
                 f" x ideal {rss_peak / rss_ideal:.2f}), step {step:.2f} s")
         if args.compare_unpinned:
             args.unpinned = True

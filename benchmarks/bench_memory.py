@@ -315,6 +315,7 @@ def main() -> None:
         print(f"{layout:14} {results[0]['dims'][:44]:44} {setup / mib:10.0f} {setup / share:7.2f} {train / mib:9.0f} "
               f"{train / share:7.2f} {kept / mib:10.0f} {ideal:7.2f} {state / mib:16.0f} {state / share:7.2f} "
               f"{rss[0] / mib:9.0f}/{rss[1] / mib:.0f}   loss {results[0]['loss']:.4f}", flush=True)
+        print(f"{'':14} peak RSS growth of each rank, MiB: {[round(r['points']['train']['rss'] / mib) for r in results]}", flush=True)
         worst = max(results, key=lambda r: r["points"]["train"]["tracked"])
         print(f"{'':14} training peak at: {worst['points']['train']['site']}", flush=True)
         rss_peak = max(max(r["points"]["setup"]["rss"], r["points"]["train"]["rss"]) for r in results)

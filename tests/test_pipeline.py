@@ -187,6 +187,21 @@ class TiedLM(nn.Module):
         return self.head(x)
 
 
+class DroppingLM(TiedLM):
+    """TiedLM with dropout after the embedding: its evaluation trace computes something else, so its
+    evaluation stages are their own modules (parallel/pipeline/eval_reuse.py)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        x = self.drop(self.emb(idx))
+        for layer in self.layers:
+            x = x + layer(x)
+        return self.head(x)
+
+
 def _tied_batch(step: int) -> tuple[Tensor, Tensor]:
     g = torch.Generator().manual_seed(7 + step)
     return torch.randint(0, 16, (BATCH, 5), generator=g), torch.randint(0, 16, (BATCH, 5), generator=g)
@@ -224,6 +239,13 @@ def _features_worker() -> dict[str, Any]:
     x = _tied_batch(9)[0]
     result = runtime.eval_step(x)
     out["eval_err"] = None if result is None else max_rel(result, TiedLM().eval()(x).detach())
+    out["eval_shared"] = [a is b for a, b in zip(runtime.stages_submodules(train=True), runtime.stages_submodules(train=False), strict=True)]
+    dropping = DroppingLM()
+    other = build_pipeline(dropping, (x0,), plan=plan_pipeline(dropping, 2), schedule=spec, microbatches=2,
+                           loss_fn=lambda o, rows: o.sum(), group=dims.axis(PP))
+    result = other.eval_step(x)
+    out["dropout_eval_err"] = None if result is None else max_rel(result, DroppingLM().eval()(x).detach())
+    out["dropout_eval_shared"] = [a is b for a, b in zip(other.stages_submodules(train=True), other.stages_submodules(train=False), strict=True)]
     out["shared_owners"] = runtime.owners()["emb.weight"]
     out["released"] = runtime.release_non_owned()
     out["empty"] = sorted(n for n, p in model.named_parameters() if p.numel() == 0)
@@ -268,6 +290,11 @@ def test_tied_weights_accumulation_clipping_eval_release_and_bad_input() -> None
     assert last["empty"] == sorted(last["released"]) == [f"layers.{i}.0.{w}" for i in (0, 1) for w in ("bias", "weight")]
     assert first["released"]["layers.2.0.weight"] == torch.Size([12, 12])
     assert first["eval_err"] is None and last["eval_err"] is not None and last["eval_err"] <= 0.0
+    assert first["dropout_eval_err"] is None and last["dropout_eval_err"] is not None and last["dropout_eval_err"] <= 0.0
+    # No dropout: one module per stage serves both modes. DroppingLM's dropout is in the first stage only, so
+    # that stage's evaluation module is its own and the last stage's is shared: the two modes mix across a cut.
+    assert first["eval_shared"] == last["eval_shared"] == [True]
+    assert first["dropout_eval_shared"] == [False] and last["dropout_eval_shared"] == [True]
 
 
 class Branchy(nn.Module):

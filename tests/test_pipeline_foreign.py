@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 from lightning_parallel.models.gpt import GPT
-from lightning_parallel.parallel.pipeline.foreign import FOREIGN_OP, foreign_calls
+from lightning_parallel.parallel.pipeline.foreign import FOREIGN_OP, OtherRanksStage, foreign_calls
 from lightning_parallel.parallel.pipeline.plan import plan_pipeline
-from lightning_parallel.parallel.pipeline.trace import stage_interface, trace_pipeline
+from lightning_parallel.parallel.pipeline.trace import stage_interface, trace_pipe, trace_pipeline
 from lightning_parallel.strategies.pipeline.entry import Entry, tracing_forward
 from lightning_parallel.testing.real_models import HFCausalLM
 
@@ -49,6 +49,8 @@ def test_each_rank_traces_its_stages_whole_and_counts_every_owner(pp: int, virtu
         assert traced.holders_by_stage == whole.holders_by_stage
         assert traced.used_anywhere == whole.used_anywhere
         assert stage_interface(traced.train) == stage_interface(whole.train) and stage_interface(traced.eval) == stage_interface(whole.eval)
+        # the pipe as the tracer cut it, before the other ranks' stage modules are left behind in the child
+        cut, _ = trace_pipe(model, (x[:2],), {}, plan, training=True, local_stages=local)
         for k in range(plan.num_stages):
             mine, full = (_nodes(t.get_stage_module(k)) for t in (traced.train, whole.train))
             evaluation = traced.eval.get_stage_module(k)
@@ -56,8 +58,13 @@ def test_each_rank_traces_its_stages_whole_and_counts_every_owner(pp: int, virtu
                 assert mine == full and not foreign_calls(evaluation)
             else:  # every block of another rank's stage is one call; what is not a block (embeddings, head) stays
                 blocks = [n for n in plan.stages[k].modules if n.startswith("blocks.")]
-                assert len(foreign_calls(traced.train.get_stage_module(k))) == len(blocks) == len(foreign_calls(evaluation))
-                assert len(mine) < len(full) / 2
+                assert len(foreign_calls(cut.get_stage_module(k))) == len(blocks)
+                assert len(_nodes(cut.get_stage_module(k))) < len(full) / 2
+                # ... and what this rank keeps of it: a placeholder, in both pipes and in their interpreters' tables
+                for pipe in (traced.train, traced.eval):
+                    assert isinstance(pipe.get_stage_module(k), OtherRanksStage) and not list(pipe.get_stage_module(k).parameters())
+                    kept = {id(m) for j in local for m in pipe.get_stage_module(j).modules()} | {id(pipe.split_gm)}
+                    assert not any(isinstance(m, torch.fx.GraphModule) for m in pipe.executor.submodules.values() if id(m) not in kept)
         with torch.no_grad():  # a rank's own stages compute what the whole trace's do, on one microbatch
             if 0 in local:
                 torch.testing.assert_close(_run_stages(traced, [0], x[:2]), _run_stages(whole, [0], x[:2]))
@@ -86,7 +93,8 @@ def test_a_block_holding_a_split_point_is_traced() -> None:
     whole = trace_pipeline(model, (x,), plan=plan, microbatches=1, build_eval=False)
     traced = trace_pipeline(model, (x,), plan=plan, microbatches=1, build_eval=False, local_stages=[1])
     assert traced.holders_by_stage == whole.holders_by_stage
-    assert len(foreign_calls(traced.train.get_stage_module(0))) == 1  # blocks.0; blocks.1 (split inside) traced
+    cut, _ = trace_pipe(model, (x,), {}, plan, training=True, local_stages=[1])
+    assert len(foreign_calls(cut.get_stage_module(0))) == 1  # blocks.0; blocks.1 (split inside) traced
     assert _nodes(traced.train.get_stage_module(1)) == _nodes(whole.train.get_stage_module(1))
 
 

@@ -57,6 +57,19 @@ def _never_runs(inputs: list[Tensor], handle: int) -> list[Tensor]:
     )
 
 
+class OtherRanksStage(nn.Module):
+    """What a traced pipe holds in place of a stage another rank builds: that stage's module stays in the
+    tracing child (what it holds is counted there), since nothing here runs it (issue 29: kept, the stage
+    modules of the other ranks were 3 MiB of graphs per pipe on a ``pp4`` rank, held for the run)."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.index = index
+
+    def forward(self, *args: object, **kwargs: object) -> None:
+        raise RuntimeError(f"stage {self.index} is another pipeline rank's stage: it was traced as opaque calls and is not built on this rank")
+
+
 def _shape_rule(inputs: list[Tensor], handle: int) -> list[Tensor]:
     return [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device) for t in _PENDING[handle]]
 

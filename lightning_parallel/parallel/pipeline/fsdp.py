@@ -16,7 +16,9 @@ Two things ``fully_shard`` does not know about here, handled below:
   LightningModule and the evaluation stages under the same names, and optimizers are pointed
   at them (:func:`~lightning_parallel.parallel.pipeline.tensor.swap_optimizer_parameters`).
 * The evaluation stages are not FSDP units, so :func:`unsharded_for_eval` gathers the training
-  stages' parameters and lends those full parameters to the evaluation stages for the step.
+  stages' parameters and lends those full parameters to the evaluation stages for the step. Where
+  a training stage module serves evaluation too (:mod:`~lightning_parallel.parallel.pipeline.eval_reuse`),
+  it is the FSDP unit itself and needs no lending.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ def apply_stage_fsdp(
         after = dict(stage.named_parameters())
         mapping.update({before[name]: after[name] for name in before})
     release_host_buffers([s for s in train_stages if isinstance(s, FSDPModule)], torch.device(dp_mesh.device_type))
-    replace_parameters([module, *eval_stages], {id(old): new for old, new in mapping.items()})
+    replace_parameters([module, *(s for s in eval_stages if s not in train_stages)], {id(old): new for old, new in mapping.items()})
     return mapping
 
 
@@ -78,6 +80,8 @@ def unsharded_for_eval(train_stages: Sequence[nn.Module], eval_stages: Sequence[
     lent: list[tuple[nn.Module, dict[int, nn.Parameter]]] = []
     try:
         for train, evaluation in zip(train_stages, eval_stages):
+            if evaluation is train:  # one module serves both modes (eval_reuse.py): its own FSDP2 hooks gather
+                continue
             sharded = {id(p): n for n, p in evaluation.named_parameters()}
             full = dict(train.named_parameters())
             swap = {pid: full[name] for pid, name in sharded.items() if name in full}

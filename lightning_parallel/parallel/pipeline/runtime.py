@@ -44,6 +44,7 @@ from lightning_parallel.parallel.clip import total_norm
 from lightning_parallel.parallel.errors import config_error
 from lightning_parallel.parallel.pipeline.codegen import lean_stage_code
 from lightning_parallel.parallel.pipeline.cut_grads import resolve_cut_gradients, stage_dependencies
+from lightning_parallel.parallel.pipeline.eval_reuse import unique_modules
 from lightning_parallel.parallel.pipeline.plan import PipelinePlan
 from lightning_parallel.parallel.pipeline.tensor import full_value, local_part
 from lightning_parallel.parallel.pipeline.schedules import (
@@ -163,8 +164,9 @@ class PipelineRuntime:
         return released
 
     def stage_modules(self) -> list[nn.Module]:
-        """Every local stage module, training and evaluation (they share the parameters)."""
-        return self.stages_submodules(train=True) + self.stages_submodules(train=False)
+        """Every local stage module, training and evaluation (they share the parameters), each once: a
+        training stage module may serve evaluation too (:mod:`~lightning_parallel.parallel.pipeline.eval_reuse`)."""
+        return unique_modules(self.stages_submodules(train=True) + self.stages_submodules(train=False))
 
     def stages_submodules(self, train: bool) -> list[nn.Module]:
         """The local training (or evaluation) stage modules, in stage order."""

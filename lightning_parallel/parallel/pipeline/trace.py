@@ -24,7 +24,8 @@ from torch.distributed.pipelining import Pipe, pipe_split, pipeline
 from lightning_parallel.compat import run_generated_code, tree_leaves
 from lightning_parallel.parallel.blocks import find_repeated_blocks
 from lightning_parallel.parallel.errors import config_error
-from lightning_parallel.parallel.pipeline.foreign import ForeignTrace, foreign_blocks, foreign_calls, restore_forwards
+from lightning_parallel.parallel.pipeline.eval_reuse import replace_stage_module, share_equal_stages
+from lightning_parallel.parallel.pipeline.foreign import ForeignTrace, OtherRanksStage, foreign_blocks, foreign_calls, restore_forwards
 from lightning_parallel.parallel.pipeline.fork_trace import run_in_child
 from lightning_parallel.parallel.pipeline.moe import hold_unit_tensors, opaque_forwards, register_handles
 from lightning_parallel.parallel.pipeline.plan import PipelinePlan, _compact
@@ -302,39 +303,73 @@ def trace_pipeline(
     backward (a strategy's ``activation_checkpointing=True``), beside those the model checkpoints itself.
     ``local_stages``: the stages this rank will build (``plan.stages_for_rank``); the blocks of the
     others are traced as opaque calls (:mod:`~lightning_parallel.parallel.pipeline.foreign`: a quarter
-    of the graphs' resident heap on 4 stages), their owners still counted. None: every stage whole.
+    of the graphs' resident heap on 4 stages), their owners still counted, and their stage modules are
+    left behind (:class:`~lightning_parallel.parallel.pipeline.foreign.OtherRanksStage` in their place).
+    None: every stage whole. A stage whose two modes compute the same is one module in both pipes
+    (:mod:`~lightning_parallel.parallel.pipeline.eval_reuse`).
     The pipes are traced in a forked child where that is available, so that the tracer's heap does not
     stay in this process (:mod:`~lightning_parallel.parallel.pipeline.fork_trace`); in-process otherwise.
     """
     mb_args, mb_kwargs = microbatch_example(tuple(example_args), dict(example_kwargs or {}), microbatches)
+    canonical = {id(p): n for n, p in module.named_parameters()}
+    Traced = tuple[Pipe | None, dict[int, str]]
 
-    def pipes() -> tuple[tuple[Pipe, dict[int, str]], tuple[Pipe | None, dict[int, str]]]:
+    def pipes() -> tuple[Traced, Traced, dict[int, tuple[frozenset[str], frozenset[int]]]]:
         train = trace_pipe(module, mb_args, mb_kwargs, plan, training=True, local_stages=local_stages)
-        return train, trace_pipe(module, mb_args, mb_kwargs, plan, training=False, local_stages=local_stages) if build_eval else (None, {})
+        evaluation: Traced = (None, {})
+        if build_eval:
+            evaluation = trace_pipe(module, mb_args, mb_kwargs, plan, training=False, local_stages=local_stages)
+            share_equal_stages(train[0], evaluation[0])  # type: ignore[arg-type]  # one module where both modes compute the same (eval_reuse.py)
+        if local_stages is None or not (train[1] or evaluation[1]):
+            return train, evaluation, {}
+        # Another rank's stage: what it holds is counted here (in the child), and its module stays behind.
+        # torch's stages keep their pipe's split module, so a module shipped back would stay for the run (issue 29).
+        others: dict[int, tuple[frozenset[str], frozenset[int]]] = {}
+        mine = {id(t) for t in (*module.parameters(), *module.buffers())}
+        for k in sorted(set(range(plan.num_stages)) - set(local_stages)):
+            names, ids = _holdings(train[0].get_stage_module(k), module, train[1], canonical)  # type: ignore[union-attr]
+            if evaluation[0] is not None:
+                ids |= _holdings(evaluation[0].get_stage_module(k), module, evaluation[1], canonical)[1]
+            others[k] = (names, frozenset(ids & mine))
+            for pipe in (train[0], evaluation[0]):
+                if pipe is not None:
+                    replace_stage_module(pipe, k, OtherRanksStage(k))
+        return train, evaluation, others
 
     register_handles(module)  # global state the child's trace would otherwise write where this process cannot see it
-    (train, train_blocks), (evaluation, eval_blocks) = run_in_child(pipes, module) or pipes()  # the tracer's heap stays in the child
-    canonical = {id(p): n for n, p in module.named_parameters()}
+    (train, train_blocks), (evaluation, eval_blocks), others = run_in_child(pipes, module) or pipes()  # the tracer's heap stays in the child
     checkpointed = {name: _non_reentrant_checkpoint for name in checkpoint_blocks} | checkpointed_blocks(module)
     holders = []
     used: set[int] = set()
-    for pipe, opaque in ((train, train_blocks), (evaluation, eval_blocks)):
-        for k in range(plan.num_stages if pipe is not None else 0):
+    for k in range(plan.num_stages):
+        if k in others:
+            holders.append(others[k][0])
+            used.update(others[k][1])
+            continue
+        for pipe, opaque in ((train, train_blocks), (evaluation, eval_blocks)):
+            if pipe is None or (pipe is evaluation and pipe.get_stage_module(k) is train.get_stage_module(k)):
+                continue  # no evaluation pipe, or the training stage serves evaluation too: fixed up once
             stage_module = pipe.get_stage_module(k)
-            hold_unit_tensors(stage_module, module)  # MoE layers are opaque ops: their tensors are not graph inputs
-            _adopt_original_tensors(stage_module, module)
-            tensors = [*stage_module.parameters(), *stage_module.buffers()]
-            params = list(stage_module.parameters())
-            blocks = [module.get_submodule(opaque[h]) for h in foreign_calls(stage_module)]
-            if blocks:  # another rank's stage: its opaque blocks' tensors are its own, though not graph inputs here
-                tensors += [t for b in blocks for t in (*b.parameters(), *b.buffers())]
-                params += [p for b in blocks for p in b.parameters()]
-            else:  # traced whole: a stage this rank may build
+            names, ids = _holdings(stage_module, module, opaque, canonical)
+            used.update(ids)
+            if pipe is train:
+                holders.append(names)
+            if not foreign_calls(stage_module):  # traced whole: a stage this rank may build
                 _run_generated_code(stage_module)
                 if pipe is train:
                     _honour_checkpointing(stage_module, checkpointed)
-            used.update(id(t) for t in tensors)
-            if pipe is train:
-                holders.append(frozenset(canonical[id(p)] for p in params))
     local = frozenset(local_stages) if local_stages is not None and (train_blocks or eval_blocks) else None
     return TracedPipeline(plan, batch_size_of(mb_args, mb_kwargs), train, evaluation, tuple(holders), frozenset(used), local)
+
+
+def _holdings(stage_module: nn.Module, module: nn.Module, opaque: dict[int, str], canonical: dict[int, str]) -> tuple[frozenset[str], set[int]]:
+    """Point a stage's tensors at the module's own objects; return the canonical names of the parameters it
+    holds and the ids of every tensor it uses (an opaque block's included: another rank's stage)."""
+    hold_unit_tensors(stage_module, module)  # MoE layers are opaque ops: their tensors are not graph inputs
+    _adopt_original_tensors(stage_module, module)
+    tensors = [*stage_module.parameters(), *stage_module.buffers()]
+    params = list(stage_module.parameters())
+    for block in (module.get_submodule(opaque[h]) for h in foreign_calls(stage_module)):  # its tensors are not graph inputs here
+        tensors += [*block.parameters(), *block.buffers()]
+        params += list(block.parameters())
+    return frozenset(canonical[id(p)] for p in params), {id(t) for t in tensors}

@@ -54,7 +54,7 @@ def test_a_stage_is_shared_exactly_where_both_modes_compute_the_same(case: str) 
     assert _shared(build(), batch) == expected
 
 
-def test_the_signature_drops_identity_dropouts_and_default_arguments_only() -> None:
+def test_the_signature_skips_identity_dropouts_and_fills_in_defaults() -> None:
     def graph(*calls: Any) -> torch.fx.Graph:
         g = torch.fx.Graph()
         x = g.placeholder("x")

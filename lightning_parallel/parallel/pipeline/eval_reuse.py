@@ -13,7 +13,7 @@ where the blocks a training stage recomputes in backward run plainly
 (:class:`~lightning_parallel.parallel.pipeline.trace.CheckpointedForward`).
 
 The comparison is structural, node by node, after two normalisations that do not change what a
-graph computes: operator arguments equal to their schema's default are dropped (``dropout_p=0.0``
+graph computes: an operator's arguments are named and their defaults filled in (``dropout_p=0.0``
 of attention is the same as leaving it out), and a dropout that is the identity (probability 0,
 or not training) is replaced by its input. Anything else that differs keeps the two stages apart.
 """
@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 from torch.distributed.pipelining import Pipe
+from torch.fx.operator_schemas import normalize_function
 
 _DROPOUTS = {
     torch.ops.aten.dropout.default,
@@ -42,14 +43,13 @@ def _is_identity_dropout(node: fx.Node) -> bool:
 
 
 def _call_arguments(node: fx.Node, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """An operator call's arguments by name, without those equal to the schema's default."""
-    schema = getattr(node.target, "_schema", None)
-    if node.op != "call_function" or schema is None:
-        return args, sorted(kwargs.items())
-    named = dict(zip((a.name for a in schema.arguments), args))
-    named.update(kwargs)
-    defaults = {a.name: a.default_value for a in schema.arguments if a.has_default_value()}
-    return sorted((k, v) for k, v in named.items() if not (k in defaults and repr(defaults[k]) == repr(v)))
+    """An operator call's arguments by name, every default filled in (``torch.fx``'s own normalisation), so
+    that spelling a default out or leaving it away is the same call; other calls' arguments as they are."""
+    if node.op == "call_function" and hasattr(node.target, "overloadpacket"):  # an ATen operator overload
+        normalized = normalize_function(node.target, args, kwargs, normalize_to_only_use_kwargs=True)  # type: ignore[arg-type]
+        if normalized is not None:
+            return sorted(normalized.kwargs.items())
+    return args, sorted(kwargs.items())
 
 
 def graph_signature(graph: fx.Graph) -> str:

@@ -71,6 +71,12 @@ def test_the_signature_skips_identity_dropouts_and_fills_in_defaults() -> None:
     # leaky_relu's negative_slope defaults to 0.01: spelled out or not, the same call
     assert graph_signature(graph((aten.leaky_relu.default, (0.01,), {}))) == graph_signature(graph((aten.leaky_relu.default, (), {})))
     assert graph_signature(graph((aten.leaky_relu.default, (0.2,), {}))) != graph_signature(graph((aten.leaky_relu.default, (), {})))
+    # a constant tensor argument counts by its values, even where its repr would elide them
+    big, other = torch.zeros(2000), torch.zeros(2000)
+    other[1000] = 1.0
+    assert repr(big) == repr(other)
+    assert graph_signature(graph((aten.add.Tensor, (big,), {}))) == graph_signature(graph((aten.add.Tensor, (torch.zeros(2000),), {})))
+    assert graph_signature(graph((aten.add.Tensor, (big,), {}))) != graph_signature(graph((aten.add.Tensor, (other,), {})))
 
 
 def test_unique_modules_keeps_the_first_of_each_in_order() -> None:

@@ -64,6 +64,9 @@ def graph_signature(graph: fx.Graph) -> str:
             while value in alias:
                 value = alias[value]
             return f"%{index[value]}"
+        if isinstance(value, torch.Tensor):  # a constant: by its values (repr elides them), or unequal to anything
+            small = not value.is_meta and value.numel() <= 4096
+            return ("tensor", tuple(value.shape), str(value.dtype), value.tolist() if small else id(value))
         return value
 
     for node in graph.nodes:

@@ -20,6 +20,7 @@ or not training) is replaced by its input. Anything else that differs keeps the 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -89,11 +90,11 @@ def module_signature(module: nn.Module) -> list[tuple[str, str, str]]:
     return subs + tensors
 
 
-def share_equal_stages(train: Pipe, evaluation: Pipe) -> list[int]:
-    """Give ``evaluation`` the training stage module of every stage whose two traces compute the same;
-    return those stage indices. Call it before anything else holds the evaluation stage modules."""
+def share_equal_stages(train: Pipe, evaluation: Pipe, stages: Iterable[int] | None = None) -> list[int]:
+    """Give ``evaluation`` the training stage module of every stage in ``stages`` (None: all) whose two traces
+    compute the same; return those stage indices. Call it before anything else holds the evaluation stage modules."""
     shared = []
-    for k in range(min(train.num_stages, evaluation.num_stages)):
+    for k in range(min(train.num_stages, evaluation.num_stages)) if stages is None else stages:
         mine, other = train.get_stage_module(k), evaluation.get_stage_module(k)
         if mine is not other and module_signature(mine) == module_signature(other):
             replace_stage_module(evaluation, k, mine)
@@ -117,8 +118,7 @@ def replace_stage_module(pipe: Pipe, index: int, module: nn.Module) -> None:
 
 def unique_modules(modules: list[nn.Module]) -> list[nn.Module]:
     """``modules`` without repeats, in order (a stage module serving both modes is changed once)."""
-    seen: set[int] = set()
-    return [m for m in modules if not (id(m) in seen or seen.add(id(m)))]  # type: ignore[func-returns-value]
+    return list(dict.fromkeys(modules))  # modules hash and compare by identity
 
 
 __all__ = ["graph_signature", "module_signature", "replace_stage_module", "share_equal_stages", "unique_modules"]

@@ -319,7 +319,8 @@ def trace_pipeline(
         evaluation: Traced = (None, {})
         if build_eval:
             evaluation = trace_pipe(module, mb_args, mb_kwargs, plan, training=False, local_stages=local_stages)
-            share_equal_stages(train[0], evaluation[0])  # type: ignore[arg-type]  # one module where both modes compute the same (eval_reuse.py)
+            # one module where both modes compute the same (eval_reuse.py); only for the stages this rank builds
+            share_equal_stages(train[0], evaluation[0], local_stages)  # type: ignore[arg-type]
         if local_stages is None or not (train[1] or evaluation[1]):
             return train, evaluation, {}
         # Another rank's stage: what it holds is counted here (in the child), and its module stays behind.

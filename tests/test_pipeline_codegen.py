@@ -75,9 +75,13 @@ def test_lean_stages_compute_the_same_values_and_gradients() -> None:
     x = torch.randint(0, 32, (2, 8))
     before = _run(model, stages, x)
     assert _calls(stages[0]), "the unflattened stage calls its submodules"
+    block = stages[0].get_submodule("blocks.0")
+    block_graph = [n.format_node() for n in block.graph.nodes]
     inlined, rebound = lean_stage_code(stages)
     assert inlined >= 2 * 4 and rebound > 20, (inlined, rebound)
     assert _calls(stages[0]) == [] and _calls(stages[1]) == [], "every plain submodule call is inlined"
+    # a block whose call was inlined never runs again: no second inlined copy of its graph is built
+    assert [n.format_node() for n in block.graph.nodes] == block_graph
     assert not any(n.target in BINDINGS for s in stages for n in s.graph.nodes if n.op == "call_function")
     after = _run(model, stages, x)
     torch.testing.assert_close(after[0], before[0], rtol=0, atol=0)
@@ -117,3 +121,22 @@ def test_inlining_keeps_graphs_valid() -> None:
     for stage in stages:
         assert isinstance(stage, fx.GraphModule)
         stage.graph.lint()
+
+
+def test_tensor_parallel_stage_forward_runs_the_code_of_the_last_recompile() -> None:
+    """The tp x pp stage wrapper is installed before the lean code is generated: it must run the
+    stage's current graph, not the method bound when it was installed (which ran the traced code)."""
+    from types import SimpleNamespace
+
+    from lightning_parallel.parallel.pipeline.tensor import TensorParallelStageForward
+
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    graph.output(graph.call_function(torch.add, (x, 1.0)))
+    stage = fx.GraphModule(torch.nn.Module(), graph)
+    stage.forward = TensorParallelStageForward(stage, SimpleNamespace(device_type="cpu"))  # type: ignore[method-assign]
+    ones = torch.ones(3)
+    torch.testing.assert_close(stage(ones), ones + 1)
+    next(n for n in stage.graph.nodes if n.op == "call_function").args = (x, 2.0)
+    stage.recompile()  # what finalize_code and tensor parallelism's graph passes do
+    torch.testing.assert_close(stage(ones), ones + 2)

@@ -90,7 +90,10 @@ class TensorParallelStageForward:
     """
 
     def __init__(self, module: nn.Module, mesh: DeviceMesh, column_weights: Iterable[int] = ()) -> None:
-        self.original = module.forward
+        # The module, not its bound ``forward``: ``GraphModule.recompile`` (the lean code of
+        # ``finalize_code``, the passes below) installs a new ``forward`` on the class, and a method
+        # bound now would keep running the code traced before them.
+        self.module = module
         self.force_math = mesh.device_type == "cpu"  # no DTensor rule for the CPU flash kernel
         self.column_weights = set(column_weights)
 
@@ -106,7 +109,7 @@ class TensorParallelStageForward:
             stack.enter_context(implicit_replication())
             if self.force_math:
                 stack.enter_context(sdpa_kernel(SDPBackend.MATH))
-            out = self.original(*args, **kwargs)
+            out = type(self.module).forward(self.module, *args, **kwargs)
         return tree_map(lambda v: _settled(full_value(v)), out)
 
 

@@ -29,8 +29,11 @@ vocabulary-parallel token embedding, ``H`` = 1 if it runs a column-parallel LM h
 is gathered:
 
     forward:  R + E all-reduces (each region's output, the embedding's output) + H all-gathers (the logits)
-    backward: R + H all-reduces (each region's input gradient: q, k and v, or gate and up, sum
-              theirs before one reduction; the LM head's input gradient)
+    backward: I + H all-reduces, I the distinct tensors the column-parallel layers read (one
+              reduction of each one's gradient: q, k and v, or gate and up, sum theirs before it;
+              so do a parallel block's attention and MLP, which read the same normalised input,
+              and every decoder layer's cross-attention, which reads the one encoder output; an MoE
+              layer counts once), from the forward the planner recorded; the LM head's input gradient
     bytes:    4 * N * C per all-reduce + 4 * N * V per all-gather (fp32; N tokens per forward,
               width C, vocabulary V)
 

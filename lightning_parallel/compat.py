@@ -251,6 +251,12 @@ def op_arguments(op: Any) -> list[Any]:
     return list(op._schema.arguments)
 
 
+def tensor_version(t: Tensor) -> int:
+    """``t._version``, autograd's count of in-place writes to ``t``. Why: parallel/tensor/region_inputs.py
+    shares a conversion of ``t`` only while it is unwritten. Since: 1.0. Public: none."""
+    return t._version
+
+
 def in_backward() -> bool:
     """``torch._C._current_graph_task_id() != -1``: whether an autograd backward pass is running on this thread.
 
@@ -449,6 +455,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
     PrivateApi("schedule_stages", "torch.distributed.pipelining.schedules:PipelineScheduleSingle", "2.4", "none yet"),
     PrivateApi("local_tensor", "torch.distributed.tensor:DTensor._local_tensor", "2.5", "DTensor.to_local()"),
     PrivateApi("in_backward", "torch:_C._current_graph_task_id", "1.13", "none"),
+    PrivateApi("tensor_version", "torch:Tensor._version", "1.0", "none"),
     PrivateApi("comm_mode_native_ops", "torch.distributed.tensor.debug._comm_mode:NATIVE_TO_PY_MAPPING", "2.4", "none"),
     PrivateApi("functional_collectives", "torch.distributed._functional_collectives:all_reduce", "2.4", "none yet"),
     PrivateApi("templated_ring_attention", "torch.distributed.tensor.experimental._context_parallel._attention:"
@@ -477,7 +484,7 @@ PRIVATE_ATTRIBUTES = frozenset({"_flatten", "_unflatten", "_set_params_and_buffe
                                 "_assert_tensor_metadata", "_stages", "_stage", "_parse_to", "_schema",
                                 "_resolve_process_group", "_reset_parameters", "_get_pg_default_device",
                                 "_set_unshard_async_op", "_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
-                                "_backward_pre_hooks", "_global_forward_hooks", "_datasets"})
+                                "_backward_pre_hooks", "_global_forward_hooks", "_datasets", "_version"})
 
 __all__ = [
     "PRIVATE_APIS", "PRIVATE_ATTRIBUTES", "TORCH_LOWER_BOUND", "AsyncCollectiveTensor", "BatchNormBase",
@@ -488,6 +495,6 @@ __all__ = [
     "litdata_wrapped_datasets", "local_tensor", "modify_graph_op_device", "module_has_hooks",
     "multihead_attention_init", "op_arguments", "in_backward", "comm_mode_native_ops", "parse_to", "parse_to_device", "process_group_device",
     "resolve_process_group", "run_generated_code", "set_fsdp_unshard_async",
-    "schedule_stages", "templated_ring_attention", "templated_ring_attention_backward", "torch_ring_rotation", "tree_flatten", "tree_leaves", "tree_map", "tree_unflatten", "unflatten_mesh",
+    "schedule_stages", "templated_ring_attention", "templated_ring_attention_backward", "torch_ring_rotation", "tree_flatten", "tree_leaves", "tree_map", "tree_unflatten", "unflatten_mesh", "tensor_version",
     "TorchDispatchMode",
 ]

@@ -22,7 +22,10 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 
 from lightning_parallel.compat import TorchDispatchMode, comm_mode_native_ops, in_backward, tree_flatten
-from lightning_parallel.parallel.tensor.styles import COLWISE_GATHER, EMBEDDING_ROWWISE, EXPERTS, ROWWISE, ROWWISE_SPLIT_INPUT
+from lightning_parallel.parallel.tensor.infer import recorded_linear_inputs
+from lightning_parallel.parallel.tensor.styles import (
+    COLWISE, COLWISE_GATHER, EMBEDDING_ROWWISE, EXPERTS, PACKED_COLWISE, ROWWISE, ROWWISE_SPLIT_INPUT,
+)
 
 MEASURED_STEP = 1  # the second step: the first traces the pipeline stages
 _KINDS = {"all_reduce": "AR", "allreduce_": "AR", "allreduce_coalesced_": "AR", "all_reduce_coalesced": "AR",
@@ -147,7 +150,7 @@ def _under(name: str, prefix: str) -> bool:
 
 
 def stage_minimum(trainer: Any, pl_module: nn.Module, batch: Any) -> dict[str, Any]:
-    """The Megatron minimum (module docstring) for what this rank's stage computes, per forward."""
+    """The Megatron minimum (``benchmarks/bench_tp_comms.py``'s docstring) for what this rank's stage computes, per forward."""
     strategy = trainer.strategy
     plan = strategy.tensor_parallel_plan
     driver = getattr(strategy, "_pipeline", None)
@@ -173,6 +176,17 @@ def stage_minimum(trainer: Any, pl_module: nn.Module, batch: Any) -> dict[str, A
     moe_layers = {name.rpartition(".")[0] for name, style in plan.styles.items() if style == EXPERTS and present(name)}
     rows = [name for name, style in plan.styles.items() if style in (ROWWISE, ROWWISE_SPLIT_INPUT) and present(name)]
     regions = len(moe_layers) + sum(1 for name in rows if not any(_under(name, layer) for layer in moe_layers))
+    # Backward: one reduction per distinct tensor the column-parallel layers read (q, k and v share
+    # the normalised hidden states; a parallel block's attention and MLP share them too; every
+    # decoder layer's cross-attention reads the one encoder output), from the forward the planner
+    # recorded. Without a recording, one per region (the parent module of the layers).
+    read = recorded_linear_inputs(pl_module)
+    gathered_heads = {name for name in plan.lm_heads if plan.styles.get(name) == COLWISE_GATHER}
+    columns = [name for name, style in plan.styles.items()
+               if style in (COLWISE, PACKED_COLWISE, COLWISE_GATHER) and name not in gathered_heads and present(name)
+               and not any(_under(name, layer) for layer in moe_layers)]
+    read_once = {f"id:{i}" for name in columns for i in read.get(name, ())}
+    read_once |= {f"module:{name.rpartition('.')[0]}" for name in columns if name not in read}
     embeddings = sum(1 for name, style in plan.styles.items() if style == EMBEDDING_ROWWISE and first and present(name))
     heads = sum(1 for name in plan.lm_heads if plan.styles.get(name) == COLWISE_GATHER and last and present(name))
     config = getattr(getattr(pl_module, "model", None), "config", None)
@@ -184,8 +198,8 @@ def stage_minimum(trainer: Any, pl_module: nn.Module, batch: Any) -> dict[str, A
     else:
         tokens_per_row = inputs.shape[1]
     tokens = inputs.shape[0] * tokens_per_row // microbatches
-    fwd_ar, fwd_ag, bwd_ar = regions + embeddings, heads, regions + heads
-    return {"regions": regions, "embeddings": embeddings, "heads": heads, "fwd_AR": fwd_ar, "fwd_AG": fwd_ag,
+    fwd_ar, fwd_ag, bwd_ar = regions + embeddings, heads, len(moe_layers) + len(read_once) + heads
+    return {"regions": regions, "region_inputs": len(read_once), "embeddings": embeddings, "heads": heads, "fwd_AR": fwd_ar, "fwd_AG": fwd_ag,
             "bwd_AR": bwd_ar, "bytes": 4 * tokens * (width * (fwd_ar + bwd_ar) + vocab * fwd_ag),
             "microbatches": microbatches, "stage": "first" if first and not last else "last" if last and not first else "all",
             "tokens": tokens, "width": width, "vocab": vocab}

@@ -49,6 +49,7 @@ from torch.overrides import TorchFunctionMode
 from lightning_parallel.compat import AsyncCollectiveTensor, tree_flatten, tree_map
 from lightning_parallel.parallel.errors import config_error
 from lightning_parallel.parallel.tensor.fused import slice_packed, split_packed
+from lightning_parallel.parallel.tensor.region_inputs import replicated_region_input
 
 
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -283,7 +284,7 @@ class RegionForward:
             return gather_sequence(x, self.mesh) if self.gather_input and not isinstance(x, DTensor) else x
         if self.gather_input:
             return DTensor.from_local(x, self.mesh, [Shard(1)], run_check=False).redistribute(self.mesh, [Replicate()])
-        return DTensor.from_local(x, self.mesh, [Replicate()], run_check=False)
+        return replicated_region_input(x, self.mesh)  # shared with any other region reading x
 
     def _region_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """The hidden states through :meth:`_region_input`; every other top-level floating input that
@@ -305,7 +306,7 @@ class RegionForward:
             if not isinstance(a, Tensor) or isinstance(a, DTensor) or not (a.is_floating_point() and a.requires_grad):
                 return a
             if id(a) not in converted:
-                converted[id(a)] = DTensor.from_local(a, self.mesh, [Replicate()] * self.mesh.ndim, run_check=False)
+                converted[id(a)] = replicated_region_input(a, self.mesh)
             return converted[id(a)]
 
         return tuple(other(a) for a in args), {k: other(v) for k, v in kwargs.items()}

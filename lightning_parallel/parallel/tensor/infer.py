@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from lightning_parallel.parallel.tensor.dataflow import dataflow_groups
-from lightning_parallel.parallel.tensor.dataflow_record import Recording, example_call, record_forward
+from lightning_parallel.parallel.tensor.dataflow_record import LinearCall, Recording, example_call, record_forward
 from lightning_parallel.parallel.tensor.experts import experts_reason
 from lightning_parallel.parallel.tensor.fused import features, is_linear_like
 
@@ -228,6 +228,24 @@ def _recording(sub: nn.Module, call: tuple[tuple, dict]) -> Recording | str:
         except Exception as error:  # noqa: BLE001 - any failure leaves this root to names and shapes
             _RECORDINGS[sub] = f"recording a forward failed: {type(error).__name__}: {str(error)[:120]}"
     return _RECORDINGS[sub]
+
+
+def recorded_linear_inputs(module: nn.Module) -> dict[str, set[int]]:
+    """Linear layer FQN (under ``module``) -> the ids of the tensors it read in the forward recorded
+    when its plan was inferred; nothing is recorded here (a root not recorded yet is left out).
+
+    Two layers with a common id read the same tensor, so their partial input gradients can be
+    summed before one reduction: what the Megatron minimum of ``testing/comm_counts.py`` counts."""
+    out: dict[str, set[int]] = {}
+    for root, sub, _ in _dataflow_roots(module):
+        recording = _RECORDINGS.get(sub)
+        if not isinstance(recording, Recording):
+            continue
+        prefix = f"{root}." if root else ""
+        for call in recording.calls:
+            if isinstance(call, LinearCall) and call.input is not None:
+                out.setdefault(prefix + call.name, set()).add(call.input.id)
+    return out
 
 
 def _apply_dataflow(module: nn.Module, st: Structure, tp: int) -> None:

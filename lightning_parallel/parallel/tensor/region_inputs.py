@@ -5,8 +5,8 @@ backward reduces the partial gradient its column-parallel layers produce (one al
 regions reading the same tensor each converted it, so its gradient was reduced twice, where
 summing the partial gradients first and reducing once gives the same value:
 
-* parallel attention + MLP blocks (Falcon, GPT-J, GPT-NeoX with ``use_parallel_residual``): both
-  read the block's one normalised input;
+* parallel attention + MLP blocks with one norm (GPT-J; Falcon without ``new_decoder_architecture``):
+  both read the block's one normalised input;
 * encoder-decoders (T5, BART): every decoder layer's cross-attention reads the encoder's output.
 
 Reusing the first conversion makes autograd sum the regions' partial gradients at the one

@@ -14,7 +14,8 @@ gradient checkpointing is on (``GradientCheckpointingLayer``, and its Trainer se
 
 from __future__ import annotations
 
-from lightning.pytorch.utilities import rank_zero_warn
+import warnings
+
 from torch import nn
 
 from lightning_parallel.compat import checkpoint_module
@@ -41,8 +42,9 @@ def apply_activation_checkpointing(module: nn.Module, blocks: list[tuple[str, nn
     for _, block in blocks:
         checkpoint_module(block)
     if blocks and (changed := disable_kv_cache(module)):
-        rank_zero_warn(
+        warnings.warn(
             f"activation_checkpointing: set `config.use_cache=False` on {changed}: a recomputed layer would write its "
-            "key/value cache a second time (Hugging Face does the same under gradient checkpointing)"
+            "key/value cache a second time (Hugging Face does the same under gradient checkpointing)",
+            UserWarning, stacklevel=2,
         )
     return [name for name, _ in blocks]

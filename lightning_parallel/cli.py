@@ -31,6 +31,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+import torch.distributed as dist
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.strategies import StrategyRegistry
 from typing_extensions import override
@@ -129,6 +130,12 @@ class LightningParallelCLI(LightningCLI):
             print(f"lightning-parallel: error: {ranks} (its error is above); rank "
                   f"{self.trainer.global_rank} failed with {type(err).__name__}: {first_line}", file=sys.stderr)
             raise SystemExit(1) from err
+        # This rank is done: its process groups go now, in order, not in the interpreter's shutdown.
+        # Left to the shutdown, a launched rank's gloo group was now and then torn down while one of
+        # its C++ threads was still joinable, and the rank aborted after its work had succeeded
+        # ("terminate called without an active exception", status -6; tests/test_exit_status.py).
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
         problems = failures_after_success(take_launched_ranks(self.trainer), self.trainer.global_rank)
         if problems:
             print(f"lightning-parallel: error: {'; '.join(problems)}", file=sys.stderr)

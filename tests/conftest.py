@@ -8,17 +8,8 @@ whether importing these modules initialises it has not been checked on a GPU yet
 import os
 from collections.abc import Iterator
 
-# One instruction set for ATen's CPU kernels on every test machine, read before torch's first kernel
-# runs. Parity compares a run split over ranks (smaller batches per rank, sums in another order) with
-# one process at a relative 1e-5, a bound set on AVX2 machines. With AVX-512 kernels (an AMD EPYC
-# test machine, 2026-12-05) the convolutions round differently enough between batch shapes that
-# transformers' ResNet under hsdp with sync_batchnorm read 1.10e-05 on a batch-norm bias, where AVX2
-# kernels give less than 1e-5 on the same machine: a property of the kernels, not of a layout. The
-# bound stays; the kernels are the same everywhere. Set ATEN_CPU_CAPABILITY to choose others.
-os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 from lightning_parallel.launcher import preloaded_workers
 

@@ -22,6 +22,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import pytest
+
 from torch.utils.data import Subset, TensorDataset
 
 from lightning_parallel.testing import run_distributed
@@ -122,14 +124,22 @@ def test_real_models_under_data_and_expert_parallel_presets_match_one_process() 
     assert int(mask[0::2].sum()) != int(mask[1::2].sum())
 
 
-def test_real_models_under_hsdp_on_four_ranks_match_one_process() -> None:
+def test_real_models_under_hsdp_on_four_ranks_match_one_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    # ATen's AVX2 kernels, in freshly spawned ranks and reference (ATen reads the variable when a
+    # process runs its first kernel). With its AVX-512 kernels (an AMD EPYC test machine) ResNet's
+    # first batch-norm bias read 1.10e-05 from one process, over the 1e-5 bound, on this code and on
+    # the code before it; with AVX2 kernels on the same machine, below it. Its gradient is a sum with
+    # heavy cancellation, whose rounding follows the kernels' reduction order (batch 2 per rank
+    # against 8). Kept at 1e-5 under the kernels the bound was set with; see the 2026-12-05 note.
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
     cases = [("resnet hsdp sync_batchnorm", dataclasses.replace(_vision("resnet", "hsdp", sync_batchnorm=True), devices=4)),
              ("mixtral hsdp", dataclasses.replace(_lm("mixtral", "hsdp"), devices=4)),
              # experts over ep2, their gradients averaged over the two ranks holding the same experts (edp2)
              ("qwen2_moe ep2 x edp2", dataclasses.replace(_lm("qwen2_moe", "ep"), devices=4,
                                                           strategy={"class": HYBRID, "expert_parallel_size": 2}))]
-    results = run_distributed(run_fits, 4, [spec for _, spec in cases], init_backend=None, timeout=600)
-    references = run_fits_in_fresh_process([_reference(spec) for _, spec in cases])
+    results = run_distributed(run_fits, 4, [spec for _, spec in cases], init_backend=None, timeout=600, fresh_process=True)
+    references = run_distributed(run_fits, 1, [_reference(spec) for _, spec in cases], init_backend=None, timeout=600,
+                                 fresh_process=True)[0]
     for i, (label, spec) in enumerate(cases):
         assert_parity(_mean_over_ranks(results, i), references[i], label, per_tensor=True, metrics=False)
         total = sum(p.numel() for p in results[0][i]["params"].values())

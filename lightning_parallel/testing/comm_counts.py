@@ -188,7 +188,7 @@ def stage_minimum(trainer: Any, pl_module: nn.Module, batch: Any) -> dict[str, A
     read_once = {f"id:{i}" for name in columns for i in read.get(name, ())}
     read_once |= {f"module:{name.rpartition('.')[0]}" for name in columns if name not in read}
     embeddings = sum(1 for name, style in plan.styles.items() if style == EMBEDDING_ROWWISE and first and present(name))
-    heads = sum(1 for name in plan.lm_heads if plan.styles.get(name) == COLWISE_GATHER and last and present(name))
+    heads = sum(1 for name in gathered_heads if last and present(name))
     config = getattr(getattr(pl_module, "model", None), "config", None)
     width = int(getattr(config, "hidden_size", 0) or getattr(pl_module, "n_embd", 0))
     vocab = int(getattr(config, "vocab_size", 0) or getattr(pl_module, "vocab_size", 0))

@@ -205,25 +205,21 @@ def lean_stage_code(stages: Iterable[nn.Module]) -> tuple[int, int]:
     module that is not a traced graph (a forward of the user's, FSDP2's wrapper) may run any child:
     all of them are visited."""
     seen: set[int] = set()
-    counts = [0, 0]
 
-    def lean(module: nn.Module) -> None:
+    def lean(module: nn.Module) -> tuple[int, int]:
         if id(module) in seen:
-            return
+            return 0, 0
         seen.add(id(module))
-        if not _graph_owner(module):
-            for child in module.children():
-                lean(child)
-            return
-        counts[0] += inline_submodule_calls(module)
-        counts[1] += use_python_bindings(module)
-        for node in module.graph.nodes:
-            if node.op == "call_module":
-                lean(module.get_submodule(str(node.target)))
+        if _graph_owner(module):
+            own = (inline_submodule_calls(module), use_python_bindings(module))
+            called = [module.get_submodule(str(n.target)) for n in module.graph.nodes if n.op == "call_module"]
+        else:
+            own, called = (0, 0), list(module.children())
+        below = [lean(child) for child in called]
+        return own[0] + sum(i for i, _ in below), own[1] + sum(r for _, r in below)
 
-    for stage in stages:
-        lean(stage)
-    return counts[0], counts[1]
+    totals = [lean(stage) for stage in stages]
+    return sum(i for i, _ in totals), sum(r for _, r in totals)
 
 
 __all__ = ["BINDINGS", "inline_submodule_calls", "lean_stage_code", "use_python_bindings"]

@@ -130,13 +130,14 @@ class LightningParallelCLI(LightningCLI):
             print(f"lightning-parallel: error: {ranks} (its error is above); rank "
                   f"{self.trainer.global_rank} failed with {type(err).__name__}: {first_line}", file=sys.stderr)
             raise SystemExit(1) from err
-        # This rank is done: its process groups go now, in order, not in the interpreter's shutdown.
-        # Left to the shutdown, a launched rank's gloo group was now and then torn down while one of
-        # its C++ threads was still joinable, and the rank aborted after its work had succeeded
-        # ("terminate called without an active exception", status -6; tests/test_exit_status.py).
+        # The launching rank waits for the ranks it started to exit before its own process groups go,
+        # so no peer loses its connections (or the store rank 0 hosts) while it is still closing
+        # them; then each rank destroys its groups itself, not in the interpreter's shutdown, where
+        # gloo's threads can be torn down joinable ("terminate called without an active exception",
+        # status -6; pytorch#190489). Seen now and then in tests/test_exit_status.py's `test` run.
+        problems = failures_after_success(take_launched_ranks(self.trainer), self.trainer.global_rank)
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
-        problems = failures_after_success(take_launched_ranks(self.trainer), self.trainer.global_rank)
         if problems:
             print(f"lightning-parallel: error: {'; '.join(problems)}", file=sys.stderr)
             raise SystemExit(1)

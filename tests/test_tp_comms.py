@@ -150,7 +150,10 @@ def test_packed_projections_and_experts_reduce_once() -> None:
     (``parallel/tensor/region_inputs.py``): BART's decoder layers' cross-attentions the encoder
     output's (once for all layers; it was once per key and value projection, then once per layer),
     GPT-J's parallel attention and MLP their block's one normalised input. The minimum counts one
-    backward reduction per distinct tensor the column-parallel layers read."""
+    backward reduction per distinct tensor the column-parallel layers read. Bloom's ALiBi scores
+    (``baddbmm`` on heads merged into the batch) run on each rank's heads, eager and traced, and
+    Bloom's and MPT's eager attention weights are not gathered when the model does not return them
+    (each cost one all-gather per layer, three for Bloom's ``baddbmm``)."""
     from lightning_parallel.coverage import MODELS
 
     def spec(name: str, layout: str) -> Any:
@@ -159,10 +162,11 @@ def test_packed_projections_and_experts_reduce_once() -> None:
         return dataclasses.replace(MODELS[name], strategy=strategy, devices=tp_pp[0] * tp_pp[1], max_steps=2, trainer_kwargs={},
                                    callbacks=[("lightning_parallel.testing.comm_counts:CommCounter", {"model": name, "layout": layout})])
 
-    cases = [("gpt2", "tp2"), ("mixtral", "tp2"), ("bart", "tp2"), ("gptj", "tp2")]
+    cases = [("gpt2", "tp2"), ("mixtral", "tp2"), ("bart", "tp2"), ("gptj", "tp2"), ("bloom", "tp2"), ("mpt", "tp2")]
+    staged = [("gpt2", "tp2 x pp2"), ("bloom", "tp2 x pp2")]
     results = [run_distributed(_stage_counts, 2, [spec(n, l) for n, l in cases], init_backend=None, timeout=400),
-               run_distributed(_stage_counts, 4, [spec("gpt2", "tp2 x pp2")], init_backend=None, timeout=400)]
-    for rank_results, names in zip(results, (cases, [("gpt2", "tp2 x pp2")]), strict=True):
+               run_distributed(_stage_counts, 4, [spec(n, l) for n, l in staged], init_backend=None, timeout=400)]
+    for rank_results, names in zip(results, (cases, staged), strict=True):
         for rank, per_case in enumerate(rank_results):
             for (name, layout), result in zip(names, per_case, strict=True):
                 counts, minimum = result["counts"], result["minimum"]

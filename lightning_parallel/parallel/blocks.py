@@ -18,6 +18,11 @@ from __future__ import annotations
 from torch import nn
 
 
+def is_hf_model(module: nn.Module) -> bool:
+    """A ``transformers.PreTrainedModel`` (checked by name: transformers is an optional dependency)."""
+    return any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers") for c in type(module).__mro__)
+
+
 def _num_params(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 

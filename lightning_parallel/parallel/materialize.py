@@ -52,6 +52,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lightning_parallel.compat import DeviceContext, device_constructors, multihead_attention_init
+from lightning_parallel.parallel.blocks import is_hf_model
 from lightning_parallel.parallel.errors import config_error
 
 _UNWRITTEN = "never initialised"
@@ -264,7 +265,7 @@ class _Materializer:
             deep = any(True for c in module.children() for _ in _tensors(c))
             with self.full_copies(self.subtree(module) if deep else [module], f"{kind}.reset_parameters"):
                 reset()
-        if _is_hf_model(module):
+        if is_hf_model(module):
             self.hf_init(module)
         elif (init := _callable_without_args(module, "init_weights")) is not None and not _is_lightning_module(module):
             with self.full_copies(self.subtree(module), f"{kind}.init_weights"):
@@ -280,12 +281,12 @@ class _Materializer:
 
         def visit(mod: nn.Module, owner: nn.Module) -> None:
             for child in mod.children():
-                visit(child, child if _is_hf_model(child) else owner)
+                visit(child, child if is_hf_model(child) else owner)
             if getattr(mod, "_is_hf_initialized", False):
                 return
             # An init may write its direct children's tensors (GPT-2's attention scales c_proj.weight,
             # MultiheadAttention zeroes out_proj.bias); containers and nested models do not.
-            container = isinstance(mod, (nn.ModuleList, nn.ModuleDict, nn.Sequential)) or _is_hf_model(mod)
+            container = isinstance(mod, (nn.ModuleList, nn.ModuleDict, nn.Sequential)) or is_hf_model(mod)
             scope = [mod] if container else [mod, *mod.children()]
             with self.full_copies(scope, f"{type(owner).__name__}._init_weights"):
                 owner._initialize_weights(mod, custom)
@@ -319,11 +320,6 @@ def _callable_without_args(module: nn.Module, name: str) -> Callable[[], object]
     except (TypeError, ValueError):
         return fn
     return None if required else fn
-
-
-def _is_hf_model(module: nn.Module) -> bool:
-    """A ``transformers.PreTrainedModel`` (checked by name: transformers is an optional dependency)."""
-    return any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers") for c in type(module).__mro__)
 
 
 def _is_lightning_module(module: nn.Module) -> bool:

@@ -58,6 +58,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from lightning_parallel.parallel.blocks import is_hf_model
 from lightning_parallel.parallel.errors import config_error
 from lightning_parallel.parallel.tensor.attention import (
     RegionForward,
@@ -66,6 +67,7 @@ from lightning_parallel.parallel.tensor.attention import (
     settle_output_hook,
     slice_output_hook,
 )
+from lightning_parallel.parallel.tensor.attention_weights import track_requested_attentions
 from lightning_parallel.parallel.tensor.experts import apply_experts_tensor_parallel
 from lightning_parallel.parallel.tensor.fused import Conv1DRowwiseParallel, FusedColwiseParallel, is_conv1d
 from lightning_parallel.parallel.tensor.loss import install_sharded_head
@@ -118,7 +120,7 @@ def check_tensor_parallel(
             "apply tensor parallelism once, before data-parallel sharding",
         )
     if sequence_parallel:
-        hf = next((n for n, m in modules.items() if _is_hf_model(m)), None)
+        hf = next((n for n, m in modules.items() if is_hf_model(m)), None)
         if hf is not None:
             raise config_error(
                 ValueError, "sequence_parallel", True,
@@ -146,11 +148,6 @@ def check_tensor_parallel(
                 "an LM head nor inside an attention/MLP block, so their place in a sequence split is unknown",
                 "set sequence_parallel=false, or give a tp_plan marking per-token modules as 'sequence_parallel'",
             )
-
-
-def _is_hf_model(module: nn.Module) -> bool:
-    """A ``transformers.PreTrainedModel`` (by class name in the MRO: no transformers import here)."""
-    return any(cls.__name__ == "PreTrainedModel" for cls in type(module).__mro__)
 
 
 def _sharded_heads(plan: TensorParallelPlan) -> list[str]:
@@ -273,6 +270,8 @@ def apply_tensor_parallel(
             )
         install_sharded_head(module, heads)
     sp = sequence_parallel
+    if plan.regions:
+        track_requested_attentions(module)
     for name in plan.regions:
         install_region(module.get_submodule(name), tp_mesh, dtensor_region=True, gather_input=sp)
     if not sp:

@@ -48,7 +48,9 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_parallel.compat import AsyncCollectiveTensor, tree_flatten, tree_map
 from lightning_parallel.parallel.errors import config_error
+from lightning_parallel.parallel.tensor.attention_weights import drop_unrequested_weights, mark_probabilities
 from lightning_parallel.parallel.tensor.fused import slice_packed, split_packed
+from lightning_parallel.parallel.tensor.merged_heads import local_baddbmm
 from lightning_parallel.parallel.tensor.region_inputs import replicated_region_input
 
 
@@ -137,6 +139,9 @@ class ReplicateMixedMode(TorchFunctionMode):
         piece = slice_packed(func, args, kwargs)  # one part of it, cut by a slice
         if piece is not None:
             return piece
+        scores = local_baddbmm(func, args, kwargs)  # heads merged into the batch dim (Bloom's ALiBi scores)
+        if scores is not None:
+            return scores
         if func is F.scaled_dot_product_attention:
             out = local_sdpa(args, kwargs)
             if out is not None:
@@ -147,8 +152,14 @@ class ReplicateMixedMode(TorchFunctionMode):
                     return self._wrapped(func, args, kwargs)
         return self._wrapped(func, args, kwargs)
 
+    @classmethod
+    def _wrapped(cls, func: Callable, args: tuple, kwargs: dict) -> Any:
+        out = cls._call(func, args, kwargs)
+        mark_probabilities(func, args, out)  # attention weights: gathered only if the model returns them
+        return out
+
     @staticmethod
-    def _wrapped(func: Callable, args: tuple, kwargs: dict) -> Any:
+    def _call(func: Callable, args: tuple, kwargs: dict) -> Any:
         # Fast path (most calls of a region: every tensor argument a DTensor, or none is): a flat
         # scan instead of two pytree passes, which cost as much as the DTensor dispatch of a view.
         dtensors = plain = nested = False
@@ -324,8 +335,8 @@ class RegionForward:
                 stack.enter_context(ReplicateMixedMode())
                 stack.enter_context(implicit_replication())
             out = self.original(*args, **kwargs)
-        if self.dtensor_region:
-            out = tree_map(full_value, out)
+        if self.dtensor_region:  # head-split attention weights nobody asked for are not gathered
+            out = tree_map(full_value, drop_unrequested_weights(out))
         if self.slice_output:
             out = _first_tensor_out(out, lambda y: slice_sequence(y, self.mesh))
         return tree_map(settled, out)

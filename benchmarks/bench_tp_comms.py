@@ -24,7 +24,9 @@ the step's counts divided by the microbatches. Collectives after ``on_before_opt
 
 The minimum, per forward (Megatron, no sequence parallelism), ``R`` the tensor-parallel regions
 this rank's stage computes (per block: the attention, and the feed-forward, a dense MLP or an MoE
-layer with any shared expert, when the layout splits it), ``E`` = 1 if the stage runs a
+layer, and a shared expert beside the routed ones as a region of its own, as Megatron-Core's
+``SharedExpertMLP`` reduces its own output and input gradient, when the layout splits them),
+``E`` = 1 if the stage runs a
 vocabulary-parallel token embedding, ``H`` = 1 if it runs a column-parallel LM head whose output
 is gathered:
 
@@ -33,7 +35,7 @@ is gathered:
               reduction of each one's gradient: q, k and v, or gate and up, sum theirs before it;
               so do a parallel block's attention and MLP, which read the same normalised input,
               and every decoder layer's cross-attention, which reads the one encoder output; an MoE
-              layer counts once), from the forward the planner recorded; the LM head's input gradient
+              layer's routed experts count once), from the forward the planner recorded; the LM head's input gradient
     bytes:    4 * N * C per all-reduce + 4 * N * V per all-gather (fp32; N tokens per forward,
               width C, vocabulary V)
 

@@ -146,7 +146,8 @@ def test_packed_projections_and_experts_reduce_once() -> None:
     GPT-2's packed ``c_attn`` (weight and bias split per part: no gather of the bias gradient) under
     tp2 and tp2 x pp2 (its tied embedding and head exchange their gradient shard, not the gathered
     whole), Mixtral's split experts under tp2 (the hidden states' and routing weights' gradients
-    summed in one all-reduce, not two). Regions that read the same tensor reduce its gradient once
+    summed in one all-reduce, not two), Qwen2-MoE's beside its shared expert (a region of its own,
+    as in Megatron-Core). Regions that read the same tensor reduce its gradient once
     (``parallel/tensor/region_inputs.py``): BART's decoder layers' cross-attentions the encoder
     output's (once for all layers; it was once per key and value projection, then once per layer),
     GPT-J's parallel attention and MLP their block's one normalised input. The minimum counts one
@@ -162,7 +163,8 @@ def test_packed_projections_and_experts_reduce_once() -> None:
         return dataclasses.replace(MODELS[name], strategy=strategy, devices=tp_pp[0] * tp_pp[1], max_steps=2, trainer_kwargs={},
                                    callbacks=[("lightning_parallel.testing.comm_counts:CommCounter", {"model": name, "layout": layout})])
 
-    cases = [("gpt2", "tp2"), ("mixtral", "tp2"), ("bart", "tp2"), ("gptj", "tp2"), ("bloom", "tp2"), ("mpt", "tp2")]
+    cases = [("gpt2", "tp2"), ("mixtral", "tp2"), ("qwen2_moe", "tp2"), ("bart", "tp2"), ("gptj", "tp2"), ("bloom", "tp2"),
+             ("mpt", "tp2")]
     staged = [("gpt2", "tp2 x pp2"), ("bloom", "tp2 x pp2")]
     results = [run_distributed(_stage_counts, 2, [spec(n, l) for n, l in cases], init_backend=None, timeout=400),
                run_distributed(_stage_counts, 4, [spec(n, l) for n, l in staged], init_backend=None, timeout=400)]

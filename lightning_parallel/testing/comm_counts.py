@@ -145,10 +145,6 @@ class CommCounter(pl.Callback):
         self.mode = None
 
 
-def _under(name: str, prefix: str) -> bool:
-    return name.startswith(prefix + ".")
-
-
 def stage_minimum(trainer: Any, pl_module: nn.Module, batch: Any) -> dict[str, Any]:
     """The Megatron minimum (``benchmarks/bench_tp_comms.py``'s docstring) for what this rank's stage computes, per forward."""
     strategy = trainer.strategy
@@ -168,14 +164,17 @@ def stage_minimum(trainer: Any, pl_module: nn.Module, batch: Any) -> dict[str, A
     def is_split(module: nn.Module) -> bool:
         return any(id(p) in split for p in module.parameters())
 
-    # A region ends in one row-parallel reduction: count the split row-parallel layers, an MoE layer
-    # with split experts once (a shared expert inside it with it), as Megatron reduces them.
+    # A region ends in one row-parallel reduction: count the split row-parallel layers, and an MoE layer
+    # with split experts once. A shared expert beside the routed ones is a region of its own: Megatron-Core's
+    # SharedExpertMLP reduces its own output (its row-parallel fc2; reduce_from_tensor_model_parallel_region
+    # when overlapped) and its input gradient (copy_to_tensor_model_parallel_region), and MoELayer adds it
+    # to the routed experts' combined output (megatron/core/transformer/moe/shared_experts.py, moe_layer.py).
     def present(name: str) -> bool:
         return name in modules and is_split(modules[name])
 
     moe_layers = {name.rpartition(".")[0] for name, style in plan.styles.items() if style == EXPERTS and present(name)}
     rows = [name for name, style in plan.styles.items() if style in (ROWWISE, ROWWISE_SPLIT_INPUT) and present(name)]
-    regions = len(moe_layers) + sum(1 for name in rows if not any(_under(name, layer) for layer in moe_layers))
+    regions = len(moe_layers) + len(rows)
     # Backward: one reduction per distinct tensor the column-parallel layers read (q, k and v share
     # the normalised hidden states; a parallel block's attention and MLP share them too; every
     # decoder layer's cross-attention reads the one encoder output), from the forward the planner
@@ -183,8 +182,7 @@ def stage_minimum(trainer: Any, pl_module: nn.Module, batch: Any) -> dict[str, A
     read = recorded_linear_inputs(pl_module)
     gathered_heads = {name for name in plan.lm_heads if plan.styles.get(name) == COLWISE_GATHER}
     columns = [name for name, style in plan.styles.items()
-               if style in (COLWISE, PACKED_COLWISE, COLWISE_GATHER) and name not in gathered_heads and present(name)
-               and not any(_under(name, layer) for layer in moe_layers)]
+               if style in (COLWISE, PACKED_COLWISE, COLWISE_GATHER) and name not in gathered_heads and present(name)]
     read_once = {f"id:{i}" for name in columns for i in read.get(name, ())}
     read_once |= {f"module:{name.rpartition('.')[0]}" for name in columns if name not in read}
     embeddings = sum(1 for name, style in plan.styles.items() if style == EMBEDDING_ROWWISE and first and present(name))

@@ -58,6 +58,9 @@ def _baddbmm_worker() -> dict[str, Any]:
         }
     whole = DTensor.from_local(torch.randn(b * h, t, hd), mesh, [Replicate()])
     out["replicated batches left to DTensor"] = local_baddbmm(torch.baddbmm, (torch.randn(b * h, t, t), whole, whole.transpose(-1, -2)), {})
+    mq = distribute_tensor(q.detach(), mesh, [Shard(1)]).reshape(b * h, t, hd)
+    learned = torch.zeros(1, t, t, requires_grad=True)  # broadcast over rows: its gradient sums every rank's
+    out["learned broadcast bias left to DTensor"] = local_baddbmm(torch.baddbmm, (learned, mq, mq.transpose(-1, -2)), {})
     return out
 
 
@@ -71,6 +74,7 @@ def test_baddbmm_on_merged_heads_runs_on_each_ranks_rows() -> None:
             assert set(case["collectives"]) <= {"c10d_functional.all_gather_into_tensor"}, (label, case)
             assert sum(case["collectives"].values()) == 1, (label, case)
         assert result["replicated batches left to DTensor"] is None
+        assert result["learned broadcast bias left to DTensor"] is None
 
 
 def _bloom() -> torch.nn.Module:

@@ -11,9 +11,10 @@ all-gathers per layer where Megatron's attention needs none (issue 26, Bloom 1.7
 
 Rows of the batch dim are independent in ``baddbmm`` (``out[i] = beta * input[i] + alpha *
 batch1[i] @ batch2[i]``), so each rank computes its own rows with the same kernel on its local
-pieces: the bias is cut to this rank's rows (a local slice of a replicated tensor; a bias of
-batch size 1 broadcasts as is) and the result is the same placement as the batches. Any other
-layout is left to DTensor (which gathers, correctly).
+pieces: the bias is cut to this rank's rows (a local slice of a replicated tensor, whose
+gradient is gathered back; a bias of batch size 1 that needs no gradient broadcasts as is) and the
+result is the same placement as the batches. Any other layout is left to DTensor (which gathers,
+correctly).
 """
 
 from __future__ import annotations
@@ -65,7 +66,9 @@ def local_baddbmm(func: Callable[..., Any], args: tuple, kwargs: dict) -> DTenso
     elif _replicated(bias) and bias.shape[0] == rows:
         whole = bias if isinstance(bias, DTensor) else DTensor.from_local(bias, mesh, [Replicate()], run_check=False)
         local_bias = whole.redistribute(mesh, [placement]).to_local()  # this rank's rows, no communication
-    elif _replicated(bias) and bias.shape[0] == 1:
+    elif _replicated(bias) and bias.shape[0] == 1 and not bias.requires_grad:
+        # broadcast over every row: its gradient would sum this rank's rows only, so one that needs
+        # a gradient is left to DTensor
         local_bias = bias.to_local() if isinstance(bias, DTensor) else bias
     else:
         return None

@@ -4,8 +4,9 @@ Why a test of its own: the fast path is a speed feature, so a regression would n
 parity test, it would only make ``tp`` slower again (math kernel + DTensor decomposition). The
 worker checks that the GPT's and the Llama's attention really take it, that its outputs and
 gradients equal ``F.scaled_dot_product_attention`` on the full tensors (causal, 2-D and
-head-broadcast masks, grouped-query ``enable_gqa``, ``scale``), and that it declines what
-it cannot do exactly (dropout, a per-head mask, tensors not split along the heads).
+head-broadcast masks, per-head masks cut to the rank's heads with the learned one's full gradient,
+grouped-query ``enable_gqa``, ``scale``), and that it declines what it cannot do exactly (dropout,
+a mask over another count of heads, tensors not split along the heads).
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ def _worker() -> dict[str, Any]:
         ("float mask (1, 1, T, T)", (q, k, v), {"attn_mask": torch.randn(1, 1, T, T)}),
         ("gqa", (q, *kv2), {"is_causal": True, "enable_gqa": True}),
         ("scale", (q, k, v), {"scale": 0.3}),
+        ("per-head float mask (1, H, T, T)", (q, k, v), {"attn_mask": torch.randn(1, H, T, T)}),
+        ("per-head float mask (B, H, T, T), gqa", (q, *kv2), {"attn_mask": torch.randn(B, H, T, T), "enable_gqa": True}),
     ]
     for label, tensors, kwargs in cases:
         sharded = [distribute_tensor(t.detach(), mesh, [Shard(1)]).requires_grad_() for t in tensors]
@@ -53,10 +56,20 @@ def _worker() -> dict[str, Any]:
         ref_grads = torch.autograd.grad(ref, tensors, grad)
         for s, r in zip(sharded, ref_grads):
             torch.testing.assert_close(s.grad.full_tensor(), r, rtol=1e-5, atol=1e-6, msg=lambda m: f"{label} grad: {m}")
+    # A learned per-head bias (T5's position bias) as the mask: its gradient is the full one on every rank.
+    bias = torch.randn(1, H, T, T, requires_grad=True)
+    sharded = [distribute_tensor(t.detach(), mesh, [Shard(1)]).requires_grad_() for t in (q, k, v)]
+    local_bias = bias.detach().clone().requires_grad_()
+    out = tp_attention.local_sdpa(tuple(sharded), {"attn_mask": local_bias})
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+    grad = torch.randn_like(ref)
+    out.backward(distribute_tensor(grad, mesh, [Shard(1)]))
+    (bias_grad,) = torch.autograd.grad(ref, bias, grad)
+    torch.testing.assert_close(local_bias.grad, bias_grad, rtol=1e-5, atol=1e-6)
     sq, sk, sv = (distribute_tensor(t.detach(), mesh, [Shard(1)]) for t in (q, k, v))
     declined = {
         "dropout": tp_attention.local_sdpa((sq, sk, sv), {"dropout_p": 0.1}),
-        "per-head mask": tp_attention.local_sdpa((sq, sk, sv), {"attn_mask": torch.zeros(B, H, T, T)}),
+        "mask over another count of heads": tp_attention.local_sdpa((sq, sk, sv), {"attn_mask": torch.zeros(B, 2, T, T)}),
         "replicated q": tp_attention.local_sdpa(
             (distribute_tensor(q.detach(), mesh, [Replicate()]), sk, sv), {"is_causal": True}),
     }

@@ -64,17 +64,32 @@ def _head_sharded(t: Any, mesh: DeviceMesh) -> bool:
     )
 
 
-def _local_mask(mask: Any, mesh: DeviceMesh) -> Tensor | None | bool:
-    """The mask every rank can use on its own heads, or ``False`` if there is none such."""
+def _local_mask(mask: Any, mesh: DeviceMesh, heads: int) -> Tensor | None | bool:
+    """The mask for this rank's heads, or ``False`` if there is none such.
+
+    A mask broadcast over the heads is used as is. A per-head one (T5's position bias, an ALiBi
+    bias: ``(..., H, T, S)``) is cut to this rank's heads: taken as is when already split along
+    them, else sliced from the replicated whole, whose gradient (if it needs one) is then gathered
+    back in the backward, as DTensor's own rule for the full attention does."""
     if mask is None:
         return None
+    if not isinstance(mask, Tensor) or (isinstance(mask, DTensor) and mask.device_mesh != mesh):
+        return False
+    if mask.ndim < 3 or mask.shape[-3] == 1:  # broadcast over the heads
+        if isinstance(mask, DTensor):
+            return mask.to_local() if all(isinstance(p, Replicate) for p in mask.placements) else False
+        return mask
+    head_dim = mask.ndim - 3
+    if mask.shape[-3] != heads or heads % mesh.size():
+        return False
     if isinstance(mask, DTensor):
-        if mask.device_mesh != mesh or not all(isinstance(p, Replicate) for p in mask.placements):
+        if tuple(mask.placements) == (Shard(head_dim),):
+            return mask.to_local()
+        if not all(isinstance(p, Replicate) for p in mask.placements):
             return False
-        mask = mask.to_local()
-    if not isinstance(mask, Tensor) or (mask.ndim >= 3 and mask.shape[-3] != 1):
-        return False  # a per-head mask would need this rank's slice of the heads
-    return mask
+    else:
+        mask = DTensor.from_local(mask, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    return mask.redistribute(mesh, [Shard(head_dim)]).to_local()
 
 
 def local_sdpa(args: tuple, kwargs: dict) -> Tensor | None:
@@ -82,7 +97,8 @@ def local_sdpa(args: tuple, kwargs: dict) -> Tensor | None:
 
     q/k/v must be ``(B, H, T, hd)`` DTensors split along the heads on one mesh; grouped-query
     attention (``enable_gqa`` or ``H_kv < H``) stays exact because rank ``r``'s query heads map
-    to rank ``r``'s key/value heads (both are contiguous blocks of the same group size).
+    to rank ``r``'s key/value heads (both are contiguous blocks of the same group size). A mask
+    is broadcast over the heads or cut to this rank's (:func:`_local_mask`).
     """
     if len(args) > len(_SDPA_ARGS) or set(kwargs) - set(_SDPA_ARGS):
         return None
@@ -95,7 +111,7 @@ def local_sdpa(args: tuple, kwargs: dict) -> Tensor | None:
         return None
     if bound.get("dropout_p", 0.0):
         return None  # DTensor's RNG gives each global position its own draw; local draws would repeat per rank
-    mask = _local_mask(bound.get("attn_mask"), mesh)
+    mask = _local_mask(bound.get("attn_mask"), mesh, q.shape[1])
     if mask is False:
         return None
     extra = {name: bound[name] for name in ("scale", "enable_gqa") if name in bound}

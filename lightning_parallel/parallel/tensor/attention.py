@@ -51,7 +51,7 @@ from lightning_parallel.parallel.errors import config_error
 from lightning_parallel.parallel.tensor.attention_weights import drop_unrequested_weights, mark_probabilities
 from lightning_parallel.parallel.tensor.fused import slice_packed, split_packed
 from lightning_parallel.parallel.tensor.merged_heads import local_baddbmm
-from lightning_parallel.parallel.tensor.region_inputs import replicated_region_input
+from lightning_parallel.parallel.tensor.region_inputs import local_piece, replicated_region_input
 
 
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -82,14 +82,11 @@ def _local_mask(mask: Any, mesh: DeviceMesh, heads: int) -> Tensor | None | bool
     head_dim = mask.ndim - 3
     if mask.shape[-3] != heads or heads % mesh.size():
         return False
-    if isinstance(mask, DTensor):
-        if tuple(mask.placements) == (Shard(head_dim),):
-            return mask.to_local()
-        if not all(isinstance(p, Replicate) for p in mask.placements):
-            return False
-    else:
-        mask = DTensor.from_local(mask, mesh, [Replicate()] * mesh.ndim, run_check=False)
-    return mask.redistribute(mesh, [Shard(head_dim)]).to_local()
+    if isinstance(mask, DTensor) and tuple(mask.placements) == (Shard(head_dim),):
+        return mask.to_local()
+    if isinstance(mask, DTensor) and not all(isinstance(p, Replicate) for p in mask.placements):
+        return False
+    return local_piece(mask, mesh, Shard(head_dim))
 
 
 def local_sdpa(args: tuple, kwargs: dict) -> Tensor | None:

@@ -93,14 +93,16 @@ _SOFTMAX: frozenset[Callable[..., Any]] = frozenset({F.softmax, torch.softmax, T
 # Calls that keep attention probabilities what they are: dtype casts, copies, dropout.
 _KEEPS = frozenset({Tensor.to, Tensor.type_as, Tensor.float, Tensor.half, Tensor.bfloat16, Tensor.contiguous,
                     F.dropout, torch.dropout, Tensor.clone, Tensor.view_as})
+_TRACKED = _SOFTMAX | _KEEPS
 _PROBABILITIES: WeakIdKeyDictionary = WeakIdKeyDictionary()  # by identity: a tensor's == is elementwise
 
 
 def mark_probabilities(func: Callable[..., Any], args: tuple, out: Any) -> None:
-    """Remember ``out`` as attention probabilities if ``func`` made them (see the module doc)."""
-    if not isinstance(out, DTensor):
+    """Remember ``out`` as attention probabilities if ``func`` made them (see the module doc).
+    Runs on every call of a region: one set lookup for all other calls."""
+    if func not in _TRACKED or not isinstance(out, DTensor):
         return
-    if func in _SOFTMAX or (func in _KEEPS and args and isinstance(args[0], DTensor) and args[0] in _PROBABILITIES):
+    if func in _SOFTMAX or (args and isinstance(args[0], DTensor) and args[0] in _PROBABILITIES):
         _PROBABILITIES[out] = True
 
 

@@ -27,6 +27,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate
 
 from lightning_parallel.compat import StridedShard
+from lightning_parallel.parallel.tensor.region_inputs import local_piece
 
 _BADDBMM = frozenset({torch.baddbmm, Tensor.baddbmm, torch.ops.aten.baddbmm.default})
 _ARGS = ("input", "batch1", "batch2")
@@ -64,8 +65,7 @@ def local_baddbmm(func: Callable[..., Any], args: tuple, kwargs: dict) -> DTenso
     if _batch_split(bias) == placement and bias.shape[0] == rows:
         local_bias = bias.to_local()
     elif _replicated(bias) and bias.shape[0] == rows:
-        whole = bias if isinstance(bias, DTensor) else DTensor.from_local(bias, mesh, [Replicate()], run_check=False)
-        local_bias = whole.redistribute(mesh, [placement]).to_local()  # this rank's rows, no communication
+        local_bias = local_piece(bias, mesh, placement)  # this rank's rows, no communication
     elif _replicated(bias) and bias.shape[0] == 1 and not bias.requires_grad:
         # broadcast over every row: its gradient would sum this rank's rows only, so one that needs
         # a gradient is left to DTensor

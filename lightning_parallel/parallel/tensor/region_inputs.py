@@ -25,7 +25,7 @@ import weakref
 import torch
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Placement, Replicate
 from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_parallel.compat import in_backward, tensor_version
@@ -50,4 +50,11 @@ def replicated_region_input(x: Tensor, mesh: DeviceMesh) -> DTensor:
     return converted
 
 
-__all__ = ["replicated_region_input"]
+def local_piece(x: Tensor, mesh: DeviceMesh, placement: Placement) -> Tensor:
+    """This rank's piece, under ``placement``, of ``x`` (plain or a replicated DTensor: the same value
+    on every rank): a local slice, no communication; differentiable, its gradient gathered back whole."""
+    whole = x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    return whole.redistribute(mesh, [placement]).to_local()
+
+
+__all__ = ["local_piece", "replicated_region_input"]

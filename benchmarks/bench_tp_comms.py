@@ -72,6 +72,7 @@ HYBRID = "lightning_parallel:HybridParallelStrategy"
 LAYOUTS: dict[str, tuple[dict[str, Any], int]] = {  # name -> (strategy kwargs, processes)
     "tp2": ({"tensor_parallel_size": 2}, 2),
     "tp2 x pp2": ({"tensor_parallel_size": 2, "pipeline_parallel_size": 2}, 4),
+    "tp2 sp": ({"tensor_parallel_size": 2, "sequence_parallel": True}, 2),
 }
 # ---------------------------------------------------------------- a nanoGPT-style GPT (fused c_attn)
 class FusedCausalSelfAttention(CausalSelfAttention):
@@ -188,7 +189,7 @@ def format_table(results: list[dict[str, Any]]) -> str:
 
 def _rows(per_rank: list[list[dict[str, Any]]], layout: str) -> list[dict[str, Any]]:
     """One row per model (tp2: rank 0) or per model and stage (tp2 x pp2: the first rank of each stage)."""
-    ranks = [0] if layout == "tp2" else [0, 2]
+    ranks = [0, 2] if "pp2" in layout else [0]
     rows = []
     for i in range(len(per_rank[0])):
         for rank in ranks:

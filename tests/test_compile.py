@@ -125,6 +125,15 @@ def test_compile_blocks_bad_input_and_pipelines_are_typed_errors() -> None:
     with pytest.raises(ValueError, match=r"`compile_blocks`.*tensor_parallel_size=2.*regions? runs eagerly.*fullgraph=True"
                                          r".*HINT: drop 'fullgraph'"):
         HybridParallelStrategy(tensor_parallel_size=2, compile_blocks={**EAGER, "fullgraph": True})
+    # Sequence parallelism over a Hugging Face model's stacks runs whole layers in a dispatch mode: nothing would compile.
+    from lightning_parallel.parallel.compile import check_compile_model
+    from lightning_parallel.testing.real_models import build_hf_model
+
+    llama = build_hf_model("llama", n_layer=1)
+    with pytest.raises(ValueError, match=r"`compile_blocks`.*sequence_parallel=True on LlamaForCausalLM.*no block would be compiled.*HINT"):
+        check_compile_model(EAGER, llama, 2, True)
+    check_compile_model(EAGER, llama, 2, False)  # tensor parallelism alone compiles
+    check_compile_model(None, llama, 2, True)
 
 
 def test_3d_with_compile_picks_tensor_parallelism_and_says_why_pipelines_are_refused(caplog: pytest.LogCaptureFixture) -> None:

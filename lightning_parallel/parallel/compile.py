@@ -93,6 +93,23 @@ def check_compile_layout(kwargs: dict[str, Any] | None, pipeline_parallel_size: 
         )
 
 
+def check_compile_model(kwargs: dict[str, Any] | None, module: nn.Module, tensor_parallel_size: int, sequence_parallel: bool) -> None:
+    """Refuse ``compile_blocks`` where nothing of a block would compile: sequence parallelism over a
+    Hugging Face model's block stacks runs each whole layer in DTensor semantics under a dispatch mode
+    (``parallel/tensor/sequence_stacks.py``), which dynamo cannot trace, so the compiled blocks would
+    silently run eagerly."""
+    from lightning_parallel.parallel.tensor.sequence_stacks import reads_sequence_length
+
+    if kwargs is None or tensor_parallel_size <= 1 or not sequence_parallel or not reads_sequence_length(module):
+        return
+    raise config_error(
+        ValueError, "compile_blocks", kwargs if kwargs else True,
+        f"with sequence_parallel=True on {type(module).__name__} (a Hugging Face model: its split spans the block stacks)"
+        " every layer runs under a DTensor dispatch mode dynamo cannot trace, so no block would be compiled",
+        "set compile_blocks=False, or sequence_parallel=False (tensor parallelism alone compiles the code between regions)",
+    )
+
+
 def apply_compile(blocks: Sequence[tuple[str, nn.Module]], kwargs: dict[str, Any]) -> list[str]:
     """Compile every block in place (names kept); return the names compiled."""
     for _, block in blocks:
@@ -100,4 +117,4 @@ def apply_compile(blocks: Sequence[tuple[str, nn.Module]], kwargs: dict[str, Any
     return [name for name, _ in blocks]
 
 
-__all__ = ["apply_compile", "check_compile_layout", "compile_kwargs"]
+__all__ = ["apply_compile", "check_compile_layout", "check_compile_model", "compile_kwargs"]

@@ -21,7 +21,7 @@ from typing_extensions import override
 
 from lightning_parallel.compat import ddp_ignore
 from lightning_parallel.parallel.activation_checkpointing import apply_activation_checkpointing
-from lightning_parallel.parallel.compile import apply_compile, check_compile_layout
+from lightning_parallel.parallel.compile import apply_compile, check_compile_layout, check_compile_model
 from lightning_parallel.parallel.blocks import find_repeated_blocks
 from lightning_parallel.parallel.data.apply import apply_ddp, apply_fsdp
 from lightning_parallel.planner.auto_degrees import DegreeChoice, choose_3d_degrees
@@ -184,6 +184,7 @@ class LayoutMixin:
         apply_layer_sync(self._layer_sync, module, dims)  # BatchNorm statistics over the dp group
         blocks = find_repeated_blocks(module)
         check_compile_layout(self._compile_kwargs, dims.pp, dims.tp)  # "auto" degrees resolved now
+        check_compile_model(self._compile_kwargs, module, dims.tp, self.sequence_parallel)
         if dims.tp > 1:
             apply_tensor_parallel(
                 module, dims.axis(TP), self._log_tp_plan(), sequence_parallel=self.sequence_parallel, loss_parallel=self.loss_parallel

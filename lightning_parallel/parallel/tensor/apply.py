@@ -58,7 +58,6 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from lightning_parallel.parallel.blocks import is_hf_model
 from lightning_parallel.parallel.errors import config_error
 from lightning_parallel.parallel.tensor.attention import (
     RegionForward,
@@ -72,6 +71,13 @@ from lightning_parallel.parallel.tensor.experts import apply_experts_tensor_para
 from lightning_parallel.parallel.tensor.fused import Conv1DRowwiseParallel, FusedColwiseParallel, is_conv1d
 from lightning_parallel.parallel.tensor.loss import install_sharded_head
 from lightning_parallel.parallel.tensor.plan import TensorParallelPlan
+from lightning_parallel.parallel.tensor.sequence_stacks import (
+    block_stacks,
+    check_stacks,
+    inside,
+    install_stack_layers,
+    reads_sequence_length,
+)
 from lightning_parallel.parallel.tensor.styles import COLWISE, COLWISE_GATHER, EMBEDDING_ROWWISE, EXPERTS, ROWWISE, ROWWISE_SPLIT_INPUT
 
 
@@ -79,10 +85,6 @@ def _parent(name: str) -> str:
     return name.rpartition(".")[0]
 
 
-def _inside(name: str, containers: set[str]) -> bool:
-    """Whether ``name`` is one of ``containers`` or below one of them."""
-    parts = name.split(".")
-    return "" in containers or any(".".join(parts[:i]) in containers for i in range(1, len(parts) + 1))
 
 
 def check_tensor_parallel(
@@ -119,16 +121,9 @@ def check_tensor_parallel(
             f"the module is already parallelised (DTensor parameters such as {already[:2]})",
             "apply tensor parallelism once, before data-parallel sharding",
         )
-    if sequence_parallel:
-        hf = next((n for n, m in modules.items() if is_hf_model(m)), None)
-        if hf is not None:
-            raise config_error(
-                ValueError, "sequence_parallel", True,
-                f"`{hf or type(module).__name__}` is a Hugging Face transformers model: it builds its attention mask, "
-                "position ids and rotary embeddings from the length of the embedding output, which sequence "
-                "parallelism splits here, so they would cover half the sequence",
-                "set sequence_parallel=false (tensor parallelism itself splits every projection of these models)",
-            )
+    if sequence_parallel and reads_sequence_length(module):
+        check_stacks(module, plan.regions, [n for n, style in plan.styles.items() if style == EXPERTS])
+    elif sequence_parallel:
         if not plan.stream_embeddings:
             raise config_error(
                 ValueError, "sequence_parallel", True,
@@ -139,7 +134,7 @@ def check_tensor_parallel(
         containers = set(plan.regions) | set(plan.blocks)
         unplaced = [
             n for n, m in modules.items()
-            if any(True for _ in m.parameters(recurse=False)) and n not in covered and not _inside(n, containers)
+            if any(True for _ in m.parameters(recurse=False)) and n not in covered and not inside(n, containers)
         ]
         if unplaced:
             raise config_error(
@@ -166,6 +161,14 @@ def _rowwise(module: nn.Module, **kwargs: object) -> ParallelStyle:
     return (Conv1DRowwiseParallel if is_conv1d(module) else RowwiseParallel)(**kwargs)  # type: ignore[arg-type]
 
 
+def _sequence_span(module: nn.Module | None, plan: TensorParallelPlan, sequence_parallel: bool) -> tuple[str, ...] | None:
+    """Where the residual stream is split under sequence parallelism: the layers of the block
+    stacks (``sequence_stacks``), or None for the whole model between embedding and LM head."""
+    if not sequence_parallel or module is None or not reads_sequence_length(module):
+        return None
+    return tuple(layer for stack in block_stacks(module, plan.regions) for layer in stack)
+
+
 def _styles(
     plan: TensorParallelPlan, sequence_parallel: bool, loss_parallel: bool = False, module: nn.Module | None = None
 ) -> dict[str, ParallelStyle]:
@@ -174,24 +177,27 @@ def _styles(
     ``module`` (the root the plan was resolved on) tells ``Conv1D`` apart from ``nn.Linear``;
     without it every linear is taken for an ``nn.Linear``.
     """
-    sp = sequence_parallel
+    span = _sequence_span(module, plan, sequence_parallel)
     regions = set(plan.regions)
-    stream = Shard(1) if sp else Replicate()
     out: dict[str, ParallelStyle] = {}
     for name, style in plan.styles.items():
-        in_region = _inside(_parent(name), regions)
+        in_region = inside(_parent(name), regions)
+        # Split along the sequence here: every module under sequence parallelism, or only the stacks' layers.
+        sp = sequence_parallel and (span is None or inside(name, span))
         mod = module.get_submodule(name) if module is not None else nn.Linear(1, 1)
         packed = plan.packed.get(name, 1)
         if style == COLWISE:
             # In a region the output stays a DTensor (global shapes for the user's reshapes).
             out[name] = _colwise(mod, packed, plan.packed_biases_split, use_local_output=not in_region)
-        elif style == ROWWISE:
-            out[name] = _rowwise(mod, output_layouts=stream if in_region else Replicate())
-        elif style == ROWWISE_SPLIT_INPUT:
-            # Hugging Face's "rowwise_split_input": the input arrives whole and is sliced here.
-            out[name] = _rowwise(mod, input_layouts=Replicate(), output_layouts=stream if in_region else Replicate())
+        elif style in (ROWWISE, ROWWISE_SPLIT_INPUT):
+            # Hugging Face's "rowwise_split_input": the input arrives whole and is sliced here. Under
+            # sequence parallelism the output is reduce-scattered and stays a DTensor in the region, so
+            # what the region computes after it (BERT's residual add and norm) keeps global semantics.
+            inputs = {"input_layouts": Replicate()} if style == ROWWISE_SPLIT_INPUT else {}
+            out[name] = _rowwise(mod, **inputs, output_layouts=Shard(1) if sp and in_region else Replicate(),
+                                 use_local_output=not (sp and in_region))
         elif style == COLWISE_GATHER:
-            reads_stream = sp and name in plan.lm_heads
+            reads_stream = sp and span is None and name in plan.lm_heads
             inputs = Shard(1) if reads_stream else Replicate()
             if loss_parallel and name in plan.lm_heads:  # vocabulary-sharded DTensor; tp_loss decides per call
                 out[name] = _colwise(mod, packed, plan.packed_biases_split, input_layouts=inputs, output_layouts=Shard(-1),
@@ -199,15 +205,14 @@ def _styles(
             else:
                 out[name] = _colwise(mod, packed, plan.packed_biases_split, input_layouts=inputs, output_layouts=Replicate())
         elif style == EMBEDDING_ROWWISE:
-            writes_stream = sp and name in plan.stream_embeddings
+            writes_stream = sp and span is None and name in plan.stream_embeddings
             out[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1) if writes_stream else Replicate())
         elif style == EXPERTS:
             continue
         else:  # pragma: no cover - resolve_tp_plan only stores sharding styles here
             raise AssertionError(f"unexpected style {style!r} for {name}")
-    if sp:
-        for name in plan.norms:
-            out[name] = SequenceParallel(use_local_output=True)
+    for name in plan.norms if sequence_parallel and span is None else ():
+        out[name] = SequenceParallel(use_local_output=True)
     return out
 
 
@@ -254,7 +259,7 @@ def apply_tensor_parallel(
         for mod_name, local in group:
             setattr(module.get_submodule(mod_name), local, shared)
     for name in styles:  # outside regions (which settle their own outputs): plain tensors, not pending collectives
-        if not _inside(_parent(name), set(plan.regions)):
+        if not inside(_parent(name), set(plan.regions)):
             module.get_submodule(name).register_forward_hook(settle_output_hook)
     for param in {id(p): p for p in module.parameters()}.values():
         if isinstance(param, DTensor) and param.requires_grad:
@@ -269,15 +274,20 @@ def apply_tensor_parallel(
                 stacklevel=2,
             )
         install_sharded_head(module, heads)
-    sp = sequence_parallel
+    # Sequence parallelism from the embedding to the LM head (plain local slices between the regions),
+    # or over the block stacks (a Shard(1) DTensor stream the regions recognise: ``sequence_stacks``).
+    span = _sequence_span(module, plan, sequence_parallel)
+    sp = sequence_parallel and span is None
     if plan.regions:
         track_requested_attentions(module)
     for name in plan.regions:
         install_region(module.get_submodule(name), tp_mesh, dtensor_region=True, gather_input=sp)
+    if span is not None:
+        install_stack_layers(module, tp_mesh, block_stacks(module, plan.regions))
     if not sp:
         return
     for name in plan.blocks:
-        if name not in plan.regions and not _inside(name, set(plan.regions)):
+        if name not in plan.regions and not inside(name, set(plan.regions)):
             # A replicated attention/MLP (e.g. heads not divisible): full sequence in, own slice out.
             install_region(module.get_submodule(name), tp_mesh, dtensor_region=False, gather_input=True, slice_output=True)
     for name in plan.stream_embeddings:

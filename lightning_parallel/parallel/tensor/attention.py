@@ -34,6 +34,7 @@ all-reduce's backward, which needs a DTensor (measured, torch 2.13, ``aot_eager`
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -245,6 +246,14 @@ def gather_sequence(x: Tensor, mesh: DeviceMesh, dim: int = 1) -> Tensor:
     return DTensor.from_local(x, mesh, [Shard(dim)], run_check=False).redistribute(mesh, [Replicate()]).to_local()
 
 
+def sequence_slice(value: Tensor) -> Tensor:
+    """A region's hidden-state output under sequence parallelism as this rank's plain slice of the
+    sequence: a row-parallel ``Partial`` sum reduce-scattered, a ``Shard(1)`` one as it is."""
+    if isinstance(value, DTensor):
+        return value.redistribute(value.device_mesh, [Shard(1)] * value.device_mesh.ndim).to_local()
+    return value
+
+
 def slice_sequence(x: Tensor, mesh: DeviceMesh, dim: int = 1) -> Tensor:
     """Full (replicated) sequence -> this rank's shard (backward: all-gather of the gradient)."""
     if x.shape[dim] % mesh.size():
@@ -275,6 +284,20 @@ def _first_tensor_out(out: Any, fn: Callable[[Tensor], Tensor]) -> Any:
     return out
 
 
+class _Depth(threading.local):
+    value = 0
+
+
+_REGION_DEPTH = _Depth()  # regions running on this thread: a region called inside another is part of it
+
+
+def _later_outputs(out: Any, fn: Callable[[Any], Any]) -> Any:
+    """``fn`` applied to every output but the first (the hidden states)."""
+    if isinstance(out, tuple) and out:
+        return (out[0], *tree_map(fn, out[1:]))
+    return out
+
+
 class RegionForward:
     """Replaces a module's ``forward`` on the instance: same signature, run in the DTensor region.
 
@@ -293,6 +316,11 @@ class RegionForward:
         self.gather_input = gather_input
         self.slice_output = slice_output
 
+    @staticmethod
+    def _stream(x: Any) -> bool:
+        """The hidden states as a block stack's sequence-split stream (``sequence_stacks``)."""
+        return isinstance(x, DTensor) and x.device_mesh.ndim == 1 and x.placements[0] == Shard(1)
+
     def _region_input(self, x: Tensor) -> Tensor:
         """The hidden states as ONE replicated DTensor for the whole region (sequence gathered first
         under sequence parallelism).
@@ -304,6 +332,8 @@ class RegionForward:
         and the one conversion here reduces them once: an all-reduce, or under sequence parallelism
         a reduce-scatter back to this rank's slice (the Megatron minimum).
         """
+        if self._stream(x):  # gathered once here (q, k and v would each gather it)
+            return x.redistribute(x.device_mesh, [Replicate()])
         if isinstance(x, DTensor) or not x.is_floating_point():
             return gather_sequence(x, self.mesh) if self.gather_input and not isinstance(x, DTensor) else x
         if self.gather_input:
@@ -339,6 +369,21 @@ class RegionForward:
     # implicit replication are not traceable by dynamo, so the block's graph breaks around it.
     @torch.compiler.disable
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if _REGION_DEPTH.value:  # inside another region (BERT's attention in its layer): part of it
+            return self.original(*args, **kwargs)
+        found: list[Any] = []
+        _first_tensor_arg(args, kwargs, lambda x: found.append(x) or x)
+        stream = bool(found) and self._stream(found[0])
+        _REGION_DEPTH.value += 1
+        try:
+            out = self._run(args, kwargs, stream)
+        finally:
+            _REGION_DEPTH.value -= 1
+        if stream and self.dtensor_region:  # stays the stack's split stream: a reduce-scatter of the partial sums
+            return _first_tensor_out(out, lambda y: y.redistribute(y.device_mesh, [Shard(1)]) if isinstance(y, DTensor) else y)
+        return out
+
+    def _run(self, args: tuple, kwargs: dict, stream: bool) -> Any:
         if self.dtensor_region:
             args, kwargs = self._region_inputs(args, kwargs)
         elif self.gather_input:
@@ -349,7 +394,10 @@ class RegionForward:
                 stack.enter_context(implicit_replication())
             out = self.original(*args, **kwargs)
         if self.dtensor_region:  # head-split attention weights nobody asked for are not gathered
-            out = tree_map(full_value, drop_unrequested_weights(out))
+            out = drop_unrequested_weights(out)
+            if self.gather_input:  # the hidden states leave as this rank's slice of the sequence
+                out = _first_tensor_out(out, sequence_slice)
+            out = _later_outputs(out, full_value) if stream else tree_map(full_value, out)
         if self.slice_output:
             out = _first_tensor_out(out, lambda y: slice_sequence(y, self.mesh))
         return tree_map(settled, out)

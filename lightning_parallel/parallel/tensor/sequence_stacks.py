@@ -1,0 +1,143 @@
+"""Sequence parallelism over a model's block stacks, for models that read the sequence length.
+
+Megatron splits the residual stream along the sequence right after the embedding and gathers it
+before the LM head; :mod:`~lightning_parallel.parallel.tensor.apply` does that for models whose
+code between the embedding and the blocks is per token. Hugging Face models are not: after the
+embedding they build the attention mask, ``cache_position``, position ids and the rotary tables
+from the length of the embedding output (``inputs_embeds.shape[1]``) and pass them to every layer.
+Split there, all of it would cover half the sequence.
+
+So for them the split spans the block stacks instead: each stack (an ``nn.ModuleList`` whose
+layers hold the tensor-parallel regions: a decoder's ``layers``, BERT's ``encoder.layer``, T5's
+encoder and decoder ``block``) receives the full hidden states from the model's own code; its
+first layer keeps this rank's slice of the sequence (a local slice, no communication) and the
+output of its last layer is gathered again (one all-gather per stack and forward). In between, the
+stream is a ``Shard(1)`` DTensor, not a plain slice: the layers' own code runs in DTensor's global
+semantics (in the regions' dispatch mode, plain tensors joining as replicated), so whatever a
+layer does besides its regions is exact without being told: norms and residual adds run on the
+rank's slice, their replicated weights' gradients summed over the ranks; a residual handed into a
+region (Bloom, MPT) stays split; a module kept whole (a multi-query attention) gathers what it
+needs; shapes are the global ones, so a layer's reshapes by the sequence length stay right. Each
+region gathers the sequence once on entry and reduce-scatters its output (the Megatron minimum),
+and the masks, position tables and cross-attention inputs the layers receive are the full ones,
+which is what the regions, seeing the whole sequence, need. The model's code after a stack (final
+norm, pooler, LM head, losses) sees the full sequence.
+
+Refused before any collective: experts split over tp inside a stack (they need every tp rank to
+hold the same tokens); at run time ``output_hidden_states=True`` (the model would collect the
+layers' split outputs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.experimental import implicit_replication
+
+from lightning_parallel.parallel.blocks import is_hf_model
+from lightning_parallel.parallel.errors import config_error
+from lightning_parallel.parallel.tensor.attention import ReplicateMixedMode, _first_tensor_arg, _first_tensor_out, full_value
+
+
+def inside(name: str, containers: Iterable[str]) -> bool:
+    """Whether module ``name`` is one of ``containers`` or below one of them (``""`` is the root)."""
+    return any(c == "" or name == c or name.startswith(f"{c}.") for c in containers)
+
+
+def reads_sequence_length(module: nn.Module) -> bool:
+    """Whether the split must span the block stacks rather than start at the embedding (module doc)."""
+    return any(is_hf_model(m) for m in module.modules())
+
+
+def block_stacks(module: nn.Module, regions: Iterable[str]) -> list[list[str]]:
+    """The layer names of every ``nn.ModuleList`` whose parameterised layers each hold a region,
+    outermost first (a list inside a stack's layer is part of that layer)."""
+    regions = tuple(regions)
+    stacks: list[list[str]] = []
+    for name, container in module.named_modules():
+        if not isinstance(container, nn.ModuleList) or any(inside(name, stack) for stack in stacks):
+            continue
+        layers = [f"{name}.{n}" if name else n for n, c in container.named_children() if any(True for _ in c.parameters())]
+        if layers and all(any(inside(r, (layer,)) for r in regions) for layer in layers):
+            stacks.append(layers)
+    return stacks
+
+
+def check_stacks(module: nn.Module, regions: Iterable[str], experts: Iterable[str]) -> None:
+    """Refuse what this split cannot run (module doc), with no collective."""
+    stacks = block_stacks(module, regions)
+    if not stacks:
+        raise config_error(
+            ValueError, "sequence_parallel", True,
+            f"{type(module).__name__} has no layer list (nn.ModuleList) whose layers hold its tensor-parallel "
+            f"regions {list(regions)[:3]}, so there is no span of blocks to split along the sequence",
+            "set sequence_parallel=false for this model",
+        )
+    split = [e for e in experts if any(inside(e, stack) for stack in stacks)]
+    if split:
+        raise config_error(
+            ValueError, "sequence_parallel", True,
+            f"the experts {split[:3]} are split over tensor-parallel ranks, which must then hold the same tokens; "
+            "sequence parallelism gives each rank its own slice of them",
+            "set sequence_parallel=false, or give the experts to expert parallelism (expert_parallel_size)",
+        )
+
+
+class StackLayerForward:
+    """A stack layer's ``forward``: the stream as a ``Shard(1)`` DTensor, the layer's code in DTensor
+    semantics; the first layer splits the full hidden states, the last gathers them (module doc).
+    An object, not a closure, so ``copy.deepcopy`` of the model rebinds it (as ``RegionForward``)."""
+
+    def __init__(self, module: nn.Module, mesh: DeviceMesh, *, first: bool, last: bool) -> None:
+        self.module, self.original, self.mesh, self.first, self.last = module, module.forward, mesh, first, last
+
+    def _split(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(x, DTensor) or not x.is_floating_point():
+            return x
+        if x.ndim < 2 or x.shape[1] % self.mesh.size():
+            raise config_error(
+                ValueError, "sequence length", tuple(x.shape),
+                f"with sequence_parallel=True dim 1 of the hidden states must be divisible by tensor_parallel_size={self.mesh.size()}",
+                "pad or crop sequences to a multiple of the TP size, or set sequence_parallel=false",
+            )
+        return DTensor.from_local(x, self.mesh, [Replicate()], run_check=False).redistribute(self.mesh, [Shard(1)])
+
+    @torch.compiler.disable
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.first:
+            args, kwargs = _first_tensor_arg(args, kwargs, self._split)
+        with ReplicateMixedMode(), implicit_replication():
+            out = self.original(*args, **kwargs)
+        return _first_tensor_out(out, full_value) if self.last else out
+
+
+def _refuse_hidden_states(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    asked = kwargs.get("output_hidden_states")
+    if asked is None:
+        asked = getattr(getattr(module, "config", None), "output_hidden_states", False)
+    if asked:
+        raise config_error(
+            ValueError, "output_hidden_states", True,
+            "with sequence_parallel=True the hidden states between a stack's layers are split along the sequence",
+            "call the model with output_hidden_states=False, or train with sequence_parallel=false",
+        )
+
+
+def install_stack_layers(module: nn.Module, mesh: DeviceMesh, stacks: list[list[str]]) -> None:
+    """Route every stack layer's forward through :class:`StackLayerForward` (parameters and FQNs untouched)."""
+    for stack in stacks:
+        for i, name in enumerate(stack):
+            layer = module.get_submodule(name)
+            layer.forward = StackLayerForward(layer, mesh, first=i == 0, last=i == len(stack) - 1)  # type: ignore[method-assign]
+    for sub in module.modules():
+        if is_hf_model(sub):
+            sub.register_forward_pre_hook(_refuse_hidden_states, with_kwargs=True)
+
+
+__all__ = ["StackLayerForward", "block_stacks", "check_stacks", "inside", "install_stack_layers", "reads_sequence_length"]

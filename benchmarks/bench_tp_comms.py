@@ -159,6 +159,14 @@ def _other(counts: dict[str, int], microbatches: int) -> str:
     return ", ".join(parts) or "-"
 
 
+def _minimum_text(m: dict[str, Any]) -> str:
+    """``fwd AR + AG / bwd AR`` without sequence parallelism; with it every kind, per phase."""
+    if not any(m.get(k) for k in ("fwd_RS", "bwd_AG", "bwd_RS")):
+        return f"{m['fwd_AR']} + {m['fwd_AG']} / {m['bwd_AR']}"
+    return " / ".join(", ".join(f"{kind} {m[f'{phase}_{kind}']}" for kind in ("AR", "AG", "RS") if m.get(f"{phase}_{kind}"))
+                      for phase in ("fwd", "bwd"))
+
+
 def format_table(results: list[dict[str, Any]]) -> str:
     lines = [
         "| model | layout (stage) | fwd AR | fwd AG | bwd AR | DTensor MiB | minimum fwd AR + AG / bwd AR | min MiB | ratio count | ratio bytes | other collectives |",
@@ -177,12 +185,12 @@ def format_table(results: list[dict[str, Any]]) -> str:
         total = sum(v for k, v in c.items() if k.split("/")[1] == "dtensor" and k.split("/")[0] != "after"
                     and k.split("/")[2] != "bytes") / mb
         nbytes = sum(v for k, v in c.items() if k.endswith("dtensor/bytes") and not k.startswith("after")) / mb
-        minimum = m["fwd_AR"] + m["fwd_AG"] + m["bwd_AR"]
+        minimum = sum(m.get(f"{phase}_{kind}", 0) for phase in ("fwd", "bwd") for kind in ("AR", "AG", "RS"))
         ratio = f"{total / minimum:.2f}" if minimum else ("-" if not total else "inf")
         ratio_bytes = f"{nbytes / m['bytes']:.2f}" if m["bytes"] else "-"
         lines.append(
             f"| {r['model']} | {r['layout']}{stage} | {_fmt(fwd_ar)} | {_fmt(fwd_ag)} | {_fmt(bwd_ar)} | {nbytes / 2**20:.3f} "
-            f"| {m['fwd_AR']} + {m['fwd_AG']} / {m['bwd_AR']} | {m['bytes'] / 2**20:.3f} | {ratio} | {ratio_bytes} | {_other(c, mb)} |"
+            f"| {_minimum_text(m)} | {m['bytes'] / 2**20:.3f} | {ratio} | {ratio_bytes} | {_other(c, mb)} |"
         )
     return "\n".join(lines)
 
@@ -202,7 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     specs = model_specs()
     parser.add_argument("--models", help=f"comma-separated subset of {list(specs)} (prefix match)")
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated subset of {list(LAYOUTS)}")
-    parser.add_argument("--where", help="also print one model's per-module counts under tp2 (CommDebugMode's module tracker)")
+    parser.add_argument("--where", help="also print one model's per-module counts (CommDebugMode's module tracker)")
+    parser.add_argument("--where-layout", default="tp2", choices=[k for k, (_, n) in LAYOUTS.items() if n == 2],
+                        help="the layout --where counts under")
     args = parser.parse_args(argv)
     names = list(specs)
     if args.models:
@@ -217,7 +227,9 @@ def main(argv: list[str] | None = None) -> int:
         rows.extend(_rows(per_rank, layout))
     print("Minimum per forward (no sequence parallelism): forward R + E all-reduces + H all-gathers, backward R + H all-reduces;")
     print("R = split regions (attention, feed-forward per block), E = vocabulary-parallel embedding, H = gathered LM head;")
-    print("bytes 4*N*C per all-reduce + 4*N*V per all-gather (fp32). Measured: DTensor collectives of step 2")
+    print("with sequence parallelism (tp2 sp) per region an all-gather and a reduce-scatter each way, the stream's ends, and")
+    print("one all-reduce per replicated parameter on the split stream (norms; Megatron-LM coalesces them into one);")
+    print("bytes 4*N*C per activation collective + 4*N*V per logits all-gather (fp32). Measured: DTensor collectives of step 2")
     print("(forward + backward), per microbatch under pp; 'other': further DTensor kinds and plain torch.distributed (c10d) calls.")
     print(format_table(rows))
     sites: dict[str, set[str]] = defaultdict(set)
@@ -232,9 +244,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\n--- {row['model']} {row['layout']}:\n{row['trace']}")
     if args.where:
         name = next(n for n in specs if n == args.where or n.startswith(args.where + " "))
-        result = run_distributed(_worker, 2, [(name, "tp2", _case(name, specs[name], "tp2", track_modules=True))],
+        result = run_distributed(_worker, 2, [(name, args.where_layout, _case(name, specs[name], args.where_layout, track_modules=True))],
                                  init_backend=None, timeout=600.0)[0][0]
-        print(f"\nper-module collectives of {name} under tp2 (rank 0; CommDebugMode module tracker; a parent counts its children's):")
+        print(f"\nper-module collectives of {name} under {args.where_layout} (rank 0; CommDebugMode module tracker; a parent counts its children's):")
         for module, entry in result.get("modules", {}).items():
             if re.search(r"\.[1-9]\d*(\.|$)", module):
                 continue  # one block of each is enough

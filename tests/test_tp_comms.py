@@ -178,3 +178,28 @@ def test_packed_projections_and_experts_reduce_once() -> None:
                 expected = {"fwd/dtensor/AR": minimum["fwd_AR"], "fwd/dtensor/AG": minimum["fwd_AG"],
                             "bwd/dtensor/AR": minimum["bwd_AR"]}
                 assert {k: v for k, v in dtensor.items() if v} == {k: v for k, v in expected.items() if v}, label
+
+
+def test_sequence_parallel_hf_models_at_the_minimum() -> None:
+    """Sequence parallelism over Hugging Face block stacks (``parallel/tensor/sequence_stacks.py``), through
+    the Trainer: per region one all-gather of the sequence on entry (one per distinct tensor read: GPT-J's
+    parallel attention and MLP share it) and one reduce-scatter of its output, the reverse in backward;
+    each stack's ends; one all-reduce per replicated parameter on the split stream (norms) and nothing
+    else. The families cover what made more: BERT's and BART's residual add and norm inside the region
+    (the gathered input added to the split output; BART's encoder output read by every cross-attention),
+    their MLP region entered through its first linear, GPT-BigCode's multi-query attention kept whole."""
+    from lightning_parallel.coverage import MODELS
+
+    strategy = {"class": "lightning_parallel:HybridParallelStrategy", "tensor_parallel_size": 2, "sequence_parallel": True}
+    names = ["llama", "bert", "bart", "gptj", "gpt_bigcode", "bloom"]
+    specs = [dataclasses.replace(MODELS[name], strategy=strategy, devices=2, max_steps=2, trainer_kwargs={},
+                                 callbacks=[("lightning_parallel.testing.comm_counts:CommCounter", {"model": name, "layout": "tp2 sp"})])
+             for name in names]
+    for rank, per_case in enumerate(run_distributed(_stage_counts, 2, specs, init_backend=None, timeout=400)):
+        for name, result in zip(names, per_case, strict=True):
+            counts, minimum = result["counts"], result["minimum"]
+            dtensor = {k: v for k, v in counts.items() if k.split("/")[:2] in (["fwd", "dtensor"], ["bwd", "dtensor"]) and not k.endswith("/bytes")}
+            expected = {f"{phase}/dtensor/{kind}": minimum[f"{phase}_{kind}"] for phase in ("fwd", "bwd") for kind in ("AR", "AG", "RS")}
+            label = f"{name} rank {rank}: {dtensor} against {minimum}"
+            assert minimum["regions"] > 0 and minimum["fwd_RS"] == minimum["regions"], label
+            assert {k: v for k, v in dtensor.items() if v} == {k: v for k, v in expected.items() if v}, label

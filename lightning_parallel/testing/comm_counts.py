@@ -196,8 +196,51 @@ def stage_minimum(trainer: Any, pl_module: nn.Module, batch: Any) -> dict[str, A
     else:
         tokens_per_row = inputs.shape[1]
     tokens = inputs.shape[0] * tokens_per_row // microbatches
-    fwd_ar, fwd_ag, bwd_ar = regions + embeddings, heads, len(moe_layers) + len(read_once) + heads
-    return {"regions": regions, "region_inputs": len(read_once), "embeddings": embeddings, "heads": heads, "fwd_AR": fwd_ar, "fwd_AG": fwd_ag,
-            "bwd_AR": bwd_ar, "bytes": 4 * tokens * (width * (fwd_ar + bwd_ar) + vocab * fwd_ag),
+    inputs_reduced = len(moe_layers) + len(read_once)
+    counts = {"fwd_AR": regions + embeddings, "fwd_AG": heads, "fwd_RS": 0,
+              "bwd_AR": inputs_reduced + heads, "bwd_AG": 0, "bwd_RS": 0}
+    norm_params = norm_elements = 0
+    if getattr(strategy, "sequence_parallel", False):
+        counts, norm_params, norm_elements = _sequence_parallel_minimum(pl_module, plan, regions, inputs_reduced, embeddings, heads)
+    # Every collective moves one activation (N x C) but the logits' all-gathers (N x V) and the norms' gradients.
+    activations = sum(counts.values()) - heads - norm_params
+    return {"regions": regions, "region_inputs": len(read_once), "embeddings": embeddings, "heads": heads, **counts,
+            "bytes": 4 * (tokens * (width * activations + vocab * heads) + norm_elements),
             "microbatches": microbatches, "stage": "first" if first and not last else "last" if last and not first else "all",
             "tokens": tokens, "width": width, "vocab": vocab}
+
+
+def _sequence_parallel_minimum(pl_module: nn.Module, plan: Any, regions: int, inputs: int, embeddings: int,
+                               heads: int) -> tuple[dict[str, int], int, int]:
+    """Megatron's sequence-parallel minimum for this rank's model (no pipeline: sequence parallelism is
+    refused with one), and the count and elements of the replicated parameters whose gradients are all-reduced.
+
+    Per region a reduce-scatter of its output (an all-gather of its gradient in backward), and per distinct
+    tensor the regions read an all-gather of the sequence (a reduce-scatter of its gradient): a parallel
+    block's attention and MLP gather their one input once. Where the stream is split: from the embedding (its reduce-scatter, gathered before the LM
+    head), or, for models that read the sequence length, over each block stack (``sequence_stacks``: the
+    embedding all-reduces, each stack's last layer gathers, each first layer's slice gathers its gradient).
+    Every replicated parameter on the split stream (norms) has a partial gradient to all-reduce: one each
+    here; Megatron-LM coalesces them into one flat all-reduce per step (``_allreduce_layernorm_grads`` in
+    ``megatron/core/distributed/finalize_model_grads.py``), with the same bytes."""
+    from torch.distributed.tensor import DTensor
+
+    from lightning_parallel.parallel.tensor.sequence_stacks import block_stacks, inside, reads_sequence_length, whole_blocks
+
+    if reads_sequence_length(pl_module):
+        stacks = block_stacks(pl_module, plan.regions)
+        layers = [layer for stack in stacks for layer in stack]
+        whole = whole_blocks(pl_module, stacks, plan.regions)  # gather their input, their gradient's once each
+        replicated = [p for n, p in pl_module.named_parameters() if p.requires_grad and not isinstance(p, DTensor)
+                      and inside(n, layers) and not inside(n, whole)]
+        ends = len(stacks)
+        # An encoder-decoder's encoder output (gathered at its stack's end) is read whole by every cross-attention:
+        # its gradient is all-reduced, not reduce-scattered.
+        cross = int(bool(getattr(getattr(getattr(pl_module, "model", None), "config", None), "is_encoder_decoder", False)))
+        counts = {"fwd_AR": embeddings, "fwd_AG": inputs - cross + ends + heads + len(whole), "fwd_RS": regions,
+                  "bwd_AR": heads + cross + len(replicated), "bwd_AG": regions + ends + len(whole), "bwd_RS": inputs - cross}
+    else:
+        replicated = [p for name in plan.norms for p in pl_module.get_submodule(name).parameters() if p.requires_grad]
+        counts = {"fwd_AR": 0, "fwd_AG": inputs + 1 + heads, "fwd_RS": regions + embeddings,
+                  "bwd_AR": len(replicated), "bwd_AG": regions + 1, "bwd_RS": inputs + heads}
+    return counts, len(replicated), sum(p.numel() for p in replicated)

@@ -77,6 +77,7 @@ from lightning_parallel.parallel.tensor.sequence_stacks import (
     inside,
     install_stack_layers,
     reads_sequence_length,
+    whole_blocks,
 )
 from lightning_parallel.parallel.tensor.styles import COLWISE, COLWISE_GATHER, EMBEDDING_ROWWISE, EXPERTS, ROWWISE, ROWWISE_SPLIT_INPUT
 
@@ -280,10 +281,12 @@ def apply_tensor_parallel(
     sp = sequence_parallel and span is None
     if plan.regions:
         track_requested_attentions(module)
-    for name in plan.regions:
+    stacks = block_stacks(module, plan.regions) if span is not None else []
+    for name in (*plan.regions, *whole_blocks(module, stacks, plan.regions)):
         install_region(module.get_submodule(name), tp_mesh, dtensor_region=True, gather_input=sp)
     if span is not None:
-        install_stack_layers(module, tp_mesh, block_stacks(module, plan.regions))
+        columns = [name for name, style in plan.styles.items() if style == COLWISE]
+        install_stack_layers(module, tp_mesh, stacks, columns)
     if not sp:
         return
     for name in plan.blocks:

@@ -52,7 +52,7 @@ from lightning_parallel.parallel.errors import config_error
 from lightning_parallel.parallel.tensor.attention_weights import drop_unrequested_weights, mark_probabilities
 from lightning_parallel.parallel.tensor.fused import slice_packed, split_packed
 from lightning_parallel.parallel.tensor.merged_heads import local_baddbmm
-from lightning_parallel.parallel.tensor.region_inputs import local_piece, replicated_region_input
+from lightning_parallel.parallel.tensor.region_inputs import gathered_stream, local_piece, replicated_region_input, ungathered
 
 
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -145,6 +145,7 @@ class ReplicateMixedMode(TorchFunctionMode):
 
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        args = ungathered(func, args)  # a residual add of a region's gathered input keeps the split stream
         if func in _CAT and args and isinstance(args[0], (list, tuple)):
             args = (_without_legacy_empty(args[0]), *args[1:])
         pieces = split_packed(func, args, kwargs)  # [q | k | v] of a packed projection: its parts, still split
@@ -333,7 +334,7 @@ class RegionForward:
         a reduce-scatter back to this rank's slice (the Megatron minimum).
         """
         if self._stream(x):  # gathered once here (q, k and v would each gather it)
-            return x.redistribute(x.device_mesh, [Replicate()])
+            return gathered_stream(x)
         if isinstance(x, DTensor) or not x.is_floating_point():
             return gather_sequence(x, self.mesh) if self.gather_input and not isinstance(x, DTensor) else x
         if self.gather_input:

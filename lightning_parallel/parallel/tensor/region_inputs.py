@@ -50,6 +50,47 @@ def replicated_region_input(x: Tensor, mesh: DeviceMesh) -> DTensor:
     return converted
 
 
+_GATHERED: WeakIdKeyDictionary = WeakIdKeyDictionary()  # a stack stream gathered for regions -> (key, the stream)
+_STREAMS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # a stack stream -> (key, weakref to its gathered DTensor)
+_ARITHMETIC = frozenset({torch.add, torch.sub, torch.mul, Tensor.add, Tensor.sub, Tensor.mul, Tensor.__add__,
+                         Tensor.__radd__, Tensor.__sub__, Tensor.__rsub__, Tensor.__mul__, Tensor.__rmul__})
+
+
+def gathered_stream(x: DTensor) -> DTensor:
+    """A block stack's sequence-split stream (``Shard(1)``, ``sequence_stacks``) gathered for a region:
+    once for every region reading it (a parallel block's attention and MLP), for the reason the module
+    doc gives, with the same keying; the gathered DTensor remembers ``x`` (see :func:`ungathered`)."""
+    shareable = torch.is_grad_enabled() and x.requires_grad and not in_backward()
+    key = tensor_version(x)
+    entry = _STREAMS.get(x) if shareable else None
+    if entry is not None and entry[0] == key and entry[1]() is not None:
+        return entry[1]()
+    full = x.redistribute(x.device_mesh, [Replicate()] * x.device_mesh.ndim)
+    _GATHERED[full] = x
+    if shareable:
+        _STREAMS[x] = (key, weakref.ref(full))
+    return full
+
+
+def ungathered(func: object, args: tuple) -> tuple:
+    """``args`` of an arithmetic op with a gathered stream replaced by the stream itself when another
+    argument is split along the sequence (BERT's and BART's residual add inside a region: the region's
+    gathered input plus its reduce-scattered output).
+
+    Why: the same values, but DTensor would slice the gathered operand (free) and, in backward, gather
+    that slice's gradient to add it to the region input's: one all-gather and one reduce-scatter more
+    per region than the Megatron minimum. With the split stream, both gradients are ``Shard(1)``."""
+    if func not in _ARITHMETIC or len(args) != 2 or not _GATHERED:
+        return args
+    a, b = args
+    for gathered, other in ((a, b), (b, a)):
+        if isinstance(gathered, DTensor) and gathered in _GATHERED and isinstance(other, DTensor):
+            stream = _GATHERED[gathered]
+            if tuple(other.placements) == tuple(stream.placements) and other.shape == stream.shape:
+                return (stream, b) if gathered is a else (a, stream)
+    return args
+
+
 def local_piece(x: Tensor, mesh: DeviceMesh, placement: Placement) -> Tensor:
     """This rank's piece, under ``placement``, of ``x`` (plain or a replicated DTensor: the same value
     on every rank): a local slice, no communication; differentiable, its gradient gathered back whole."""
@@ -57,4 +98,4 @@ def local_piece(x: Tensor, mesh: DeviceMesh, placement: Placement) -> Tensor:
     return whole.redistribute(mesh, [placement]).to_local()
 
 
-__all__ = ["local_piece", "replicated_region_input"]
+__all__ = ["gathered_stream", "local_piece", "replicated_region_input", "ungathered"]

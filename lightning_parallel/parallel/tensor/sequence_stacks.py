@@ -30,7 +30,6 @@ layers' split outputs).
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterable
 from typing import Any
 
@@ -43,6 +42,7 @@ from torch.distributed.tensor.experimental import implicit_replication
 from lightning_parallel.parallel.blocks import is_hf_model
 from lightning_parallel.parallel.errors import config_error
 from lightning_parallel.parallel.tensor.attention import ReplicateMixedMode, _first_tensor_arg, _first_tensor_out, full_value
+from lightning_parallel.parallel.tensor.region_inputs import gathered_stream
 
 
 def inside(name: str, containers: Iterable[str]) -> bool:
@@ -67,6 +67,25 @@ def block_stacks(module: nn.Module, regions: Iterable[str]) -> list[list[str]]:
         if layers and all(any(inside(r, (layer,)) for r in regions) for layer in layers):
             stacks.append(layers)
     return stacks
+
+
+def whole_blocks(module: nn.Module, stacks: list[list[str]], regions: Iterable[str]) -> list[str]:
+    """The stack layers' children kept whole that hold two or more linear layers (an attention or MLP
+    the plan could not split, e.g. multi-query attention): each runs as a region of its own, on the
+    gathered sequence, so that it gathers its input once (DTensor alone gathered each projection's
+    input and, in backward, the saved ones again) and its parameters' gradients need no reduction."""
+    from lightning_parallel.parallel.tensor.fused import is_linear_like
+
+    regions = tuple(regions)
+    out = []
+    for layer in (layer for stack in stacks for layer in stack):
+        for child, sub in module.get_submodule(layer).named_children():
+            name = f"{layer}.{child}"
+            if inside(name, regions) or any(inside(r, (name,)) for r in regions):
+                continue
+            if sum(1 for m in sub.modules() if is_linear_like(m)) >= 2:
+                out.append(name)
+    return out
 
 
 def check_stacks(module: nn.Module, regions: Iterable[str], experts: Iterable[str]) -> None:
@@ -129,8 +148,26 @@ def _refuse_hidden_states(module: nn.Module, args: tuple, kwargs: dict) -> None:
         )
 
 
-def install_stack_layers(module: nn.Module, mesh: DeviceMesh, stacks: list[list[str]]) -> None:
-    """Route every stack layer's forward through :class:`StackLayerForward` (parameters and FQNs untouched)."""
+def _gather_stream_input(module: nn.Module, args: tuple) -> tuple | None:
+    """Forward pre-hook of a column-parallel layer in a stack: a split stream input is gathered here,
+    once for every layer reading it (``gathered_stream``), not inside the matmul.
+
+    Why: a region entered through a column-parallel layer rather than its module's forward (BERT's and
+    BART's MLP, whose region is the whole layer) handed the layer the ``Shard(1)`` stream; DTensor's
+    matmul gathered it in the forward and, the matmul having saved the split input for its weight
+    gradient, gathered it again in the backward: one all-gather per region more than the minimum."""
+    if args and isinstance(args[0], DTensor) and args[0].device_mesh.ndim == 1 and args[0].placements[0] == Shard(1):
+        return (gathered_stream(args[0]), *args[1:])
+    return None
+
+
+def install_stack_layers(module: nn.Module, mesh: DeviceMesh, stacks: list[list[str]], columns: Iterable[str] = ()) -> None:
+    """Route every stack layer's forward through :class:`StackLayerForward` (parameters and FQNs untouched),
+    and gather a split stream where the ``columns`` (column-parallel layers) read it."""
+    layers = [layer for stack in stacks for layer in stack]
+    for name in columns:
+        if inside(name, layers):
+            module.get_submodule(name).register_forward_pre_hook(_gather_stream_input)
     for stack in stacks:
         for i, name in enumerate(stack):
             layer = module.get_submodule(name)
@@ -140,4 +177,4 @@ def install_stack_layers(module: nn.Module, mesh: DeviceMesh, stacks: list[list[
             sub.register_forward_pre_hook(_refuse_hidden_states, with_kwargs=True)
 
 
-__all__ = ["StackLayerForward", "block_stacks", "check_stacks", "inside", "install_stack_layers", "reads_sequence_length"]
+__all__ = ["StackLayerForward", "block_stacks", "check_stacks", "inside", "install_stack_layers", "reads_sequence_length", "whole_blocks"]

@@ -129,6 +129,10 @@ def test_hf_dp2_tp2_match_single_process() -> None:
          {"class": HYBRID, "tensor_parallel_size": 2, "data_parallel_size": 2, "zero_stage": 3}, 0.3),
         ("dp2xtp2 ep2 mixtral", _hf("mixtral"),
          {"class": HYBRID, "tensor_parallel_size": 2, "data_parallel_size": 2, "expert_parallel_size": 2}, 0.55),
+        # Sequence parallelism over the block stacks under FSDP2: the stream's replicated norm weights are
+        # FSDP2 parameters too (tests/test_hf_sequence_parallel.py has tp2 alone on more families).
+        ("dp2xtp2 zero3 sequence_parallel llama", _hf("llama"), {**SP_DP, "zero_stage": 3}, 0.3),
+        ("dp2xtp2 zero3 sequence_parallel bert", BERT, {**SP_DP, "zero_stage": 3}, 0.35),
     ]
     specs = [dataclasses.replace(spec, strategy=strategy, devices=4) for _, spec, strategy, _ in cases]
     results = run_distributed(fits_or_errors, 4, specs, init_backend=None, timeout=900)
@@ -138,6 +142,13 @@ def test_hf_dp2_tp2_match_single_process() -> None:
         # token counts per rank the global batch's loss is the mean over ranks (tp peers log the same).
         losses = [sum(step) / len(step) for step in zip(*(rank[i]["losses"] for rank in results))]
         _assert_tp_parity(label, dict(results[0][i], losses=losses), spec, max_local=max_local)
+
+
+SP_DP = {"class": HYBRID, "tensor_parallel_size": 2, "data_parallel_size": 2, "sequence_parallel": True}
+BERT = dataclasses.replace(_hf("llama"), model_kwargs={  # post-norm encoder layers, regions nested in the layer
+    "family": "BertConfig/BertForMaskedLM", "n_layer": 2, "config": {
+        "vocab_size": 64, "hidden_size": 32, "num_attention_heads": 4, "num_hidden_layers": 2, "intermediate_size": 64,
+        "max_position_embeddings": 64, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}})
 
 
 # ---------------------------------------------------------------- plans (no process group)

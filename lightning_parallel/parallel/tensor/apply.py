@@ -86,8 +86,6 @@ def _parent(name: str) -> str:
     return name.rpartition(".")[0]
 
 
-
-
 def check_tensor_parallel(
     module: nn.Module, tp_mesh: DeviceMesh, plan: TensorParallelPlan, sequence_parallel: bool, loss_parallel: bool = False
 ) -> None:

@@ -372,9 +372,8 @@ class RegionForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if _REGION_DEPTH.value:  # inside another region (BERT's attention in its layer): part of it
             return self.original(*args, **kwargs)
-        found: list[Any] = []
-        _first_tensor_arg(args, kwargs, lambda x: found.append(x) or x)
-        stream = bool(found) and self._stream(found[0])
+        hidden = next((a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)), None)
+        stream = self._stream(hidden)  # under sequence parallelism over block stacks (``sequence_stacks``)
         _REGION_DEPTH.value += 1
         try:
             out = self._run(args, kwargs, stream)

@@ -231,8 +231,13 @@ def _sequence_parallel_minimum(pl_module: nn.Module, plan: Any, regions: int, in
         stacks = block_stacks(pl_module, plan.regions)
         layers = [layer for stack in stacks for layer in stack]
         whole = whole_blocks(pl_module, stacks, plan.regions)  # gather their input, their gradient's once each
+        # An MoE layer with split experts runs on the gathered sequence too: a region (counted in R and I) whose
+        # replicated parameters (router) compute on whole tokens. Its experts all-reduce where Megatron
+        # reduce-scatters (flattened tokens): the minimum keeps Megatron's kinds.
+        experts = [name for name, style in plan.styles.items() if style == EXPERTS]
+        gathered = whole_blocks(pl_module, stacks, plan.regions, experts)
         replicated = [p for n, p in pl_module.named_parameters() if p.requires_grad and not isinstance(p, DTensor)
-                      and inside(n, layers) and not inside(n, whole)]
+                      and inside(n, layers) and not inside(n, gathered)]
         ends = len(stacks)
         # An encoder-decoder's encoder output (gathered at its stack's end) is read whole by every cross-attention:
         # its gradient is all-reduced, not reduce-scattered.

@@ -121,7 +121,7 @@ def check_tensor_parallel(
             "apply tensor parallelism once, before data-parallel sharding",
         )
     if sequence_parallel and reads_sequence_length(module):
-        check_stacks(module, plan.regions, [n for n, style in plan.styles.items() if style == EXPERTS])
+        check_stacks(module, plan.regions, _experts(plan))
     elif sequence_parallel:
         if not plan.stream_embeddings:
             raise config_error(
@@ -160,12 +160,20 @@ def _rowwise(module: nn.Module, **kwargs: object) -> ParallelStyle:
     return (Conv1DRowwiseParallel if is_conv1d(module) else RowwiseParallel)(**kwargs)  # type: ignore[arg-type]
 
 
-def _sequence_span(module: nn.Module | None, plan: TensorParallelPlan, sequence_parallel: bool) -> tuple[str, ...] | None:
-    """Where the residual stream is split under sequence parallelism: the layers of the block
-    stacks (``sequence_stacks``), or None for the whole model between embedding and LM head."""
+def _experts(plan: TensorParallelPlan) -> list[str]:
+    return [name for name, style in plan.styles.items() if style == EXPERTS]
+
+
+def _sequence_span(module: nn.Module | None, plan: TensorParallelPlan, sequence_parallel: bool) -> frozenset[str] | None:
+    """The modules that see the residual stream split under sequence parallelism: those of the block
+    stacks' layers less the ones that run on the gathered sequence (``sequence_stacks``), or None for
+    the whole model between embedding and LM head."""
     if not sequence_parallel or module is None or not reads_sequence_length(module):
         return None
-    return tuple(layer for stack in block_stacks(module, plan.regions) for layer in stack)
+    stacks = block_stacks(module, plan.regions)
+    gathered = whole_blocks(module, stacks, plan.regions, _experts(plan))
+    return frozenset(n for layer in (layer for stack in stacks for layer in stack)
+                     for n, _ in module.get_submodule(layer).named_modules(prefix=layer) if not inside(n, gathered))
 
 
 def _styles(
@@ -182,7 +190,7 @@ def _styles(
     for name, style in plan.styles.items():
         in_region = inside(_parent(name), regions)
         # Split along the sequence here: every module under sequence parallelism, or only the stacks' layers.
-        sp = sequence_parallel and (span is None or inside(name, span))
+        sp = sequence_parallel and (span is None or name in span)
         mod = module.get_submodule(name) if module is not None else nn.Linear(1, 1)
         packed = plan.packed.get(name, 1)
         if style == COLWISE:
@@ -280,7 +288,7 @@ def apply_tensor_parallel(
     if plan.regions:
         track_requested_attentions(module)
     stacks = block_stacks(module, plan.regions) if span is not None else []
-    for name in (*plan.regions, *whole_blocks(module, stacks, plan.regions)):
+    for name in (*plan.regions, *whole_blocks(module, stacks, plan.regions, _experts(plan))):
         install_region(module.get_submodule(name), tp_mesh, dtensor_region=True, gather_input=sp)
     if span is not None:
         columns = [name for name, style in plan.styles.items() if style == COLWISE]

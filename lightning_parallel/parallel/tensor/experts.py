@@ -107,6 +107,10 @@ def _sum_grads(values: list[Any], mesh: DeviceMesh) -> list[Any]:
     return out
 
 
+def _replicated(value: Any) -> bool:
+    return isinstance(value, DTensor) and all(isinstance(p, Replicate) for p in value.placements)
+
+
 class ExpertsForward:
     """Replaces an experts module's ``forward``: local expert shards, outputs summed over tp."""
 
@@ -137,7 +141,10 @@ class ExpertsForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         mesh = self.mesh
         keys = list(kwargs)
-        values = _sum_grads([*args, *(kwargs[k] for k in keys)], mesh)
+        # Inside a region (an MoE layer run on the gathered sequence under sequence parallelism) the
+        # inputs are replicated DTensors: the experts' loop runs on their local (whole) values.
+        values = [v.to_local() if _replicated(v) else v for v in (*args, *(kwargs[k] for k in keys))]
+        values = _sum_grads(values, mesh)
         args, kwargs = tuple(values[: len(args)]), dict(zip(keys, values[len(args):], strict=True))
         out = self._run_local(args, kwargs)
         if not isinstance(out, Tensor):

@@ -23,9 +23,11 @@ and the masks, position tables and cross-attention inputs the layers receive are
 which is what the regions, seeing the whole sequence, need. The model's code after a stack (final
 norm, pooler, LM head, losses) sees the full sequence.
 
-Refused before any collective: experts split over tp inside a stack (they need every tp rank to
-hold the same tokens); at run time ``output_hidden_states=True`` (the model would collect the
-layers' split outputs).
+An MoE layer whose experts are split over tp runs as one region on the gathered sequence (the
+experts need the same tokens on every tp rank): an all-gather in, its partial outputs all-reduced
+(its tokens are flattened to ``(batch x sequence, width)``, whose sequence split no placement
+gives, so not reduce-scattered: Megatron's count, twice its bytes), its rank's slice out. Refused
+at run time: ``output_hidden_states=True`` (the model would collect the layers' split outputs).
 """
 
 from __future__ import annotations
@@ -69,21 +71,27 @@ def block_stacks(module: nn.Module, regions: Iterable[str]) -> list[list[str]]:
     return stacks
 
 
-def whole_blocks(module: nn.Module, stacks: list[list[str]], regions: Iterable[str]) -> list[str]:
-    """The stack layers' children kept whole that hold two or more linear layers (an attention or MLP
-    the plan could not split, e.g. multi-query attention): each runs as a region of its own, on the
-    gathered sequence, so that it gathers its input once (DTensor alone gathered each projection's
-    input and, in backward, the saved ones again) and its parameters' gradients need no reduction."""
+def whole_blocks(module: nn.Module, stacks: list[list[str]], regions: Iterable[str], experts: Iterable[str] = ()) -> list[str]:
+    """The stack layers' children that run as regions of their own on the gathered sequence.
+
+    Two kinds. A child kept whole that holds two or more linear layers (an attention or MLP the plan
+    could not split, e.g. multi-query attention): DTensor alone gathered each projection's input and,
+    in backward, the saved ones again; as a region it gathers its input once and its parameters'
+    gradients need no reduction. And an MoE layer whose ``experts`` are split over tp: they need the
+    same tokens on every tp rank (their partial outputs are summed), so the layer runs on the whole
+    sequence (its shared expert, a region inside it, is part of it)."""
     from lightning_parallel.parallel.tensor.fused import is_linear_like
 
-    regions = tuple(regions)
+    regions, experts = tuple(regions), tuple(experts)
     out = []
     for layer in (layer for stack in stacks for layer in stack):
         for child, sub in module.get_submodule(layer).named_children():
             name = f"{layer}.{child}"
-            if inside(name, regions) or any(inside(r, (name,)) for r in regions):
+            if inside(name, regions):
                 continue
-            if sum(1 for m in sub.modules() if is_linear_like(m)) >= 2:
+            if any(inside(e, (name,)) for e in experts):
+                out.append(name)
+            elif not any(inside(r, (name,)) for r in regions) and sum(1 for m in sub.modules() if is_linear_like(m)) >= 2:
                 out.append(name)
     return out
 
@@ -98,12 +106,13 @@ def check_stacks(module: nn.Module, regions: Iterable[str], experts: Iterable[st
             f"regions {list(regions)[:3]}, so there is no span of blocks to split along the sequence",
             "set sequence_parallel=false for this model",
         )
-    split = [e for e in experts if any(inside(e, stack) for stack in stacks)]
-    if split:
+    gathered = whole_blocks(module, stacks, regions, experts)
+    loose = [e for e in experts if any(inside(e, stack) for stack in stacks) and not inside(e, gathered)]
+    if loose:
         raise config_error(
             ValueError, "sequence_parallel", True,
-            f"the experts {split[:3]} are split over tensor-parallel ranks, which must then hold the same tokens; "
-            "sequence parallelism gives each rank its own slice of them",
+            f"the experts {loose[:3]} are split over tensor-parallel ranks, which must then hold the same tokens, and they "
+            "are not inside a module of their layer that could run on the whole sequence",
             "set sequence_parallel=false, or give the experts to expert parallelism (expert_parallel_size)",
         )
 

@@ -23,7 +23,7 @@ from lightning_parallel.coverage import CLIP, MODELS
 from lightning_parallel.testing import run_distributed
 from lightning_parallel.testing.parity import FitSpec
 from tests.test_data_parallel import HYBRID, _reference, assert_parity
-from tests.test_hf_tp import fits_or_errors
+from tests.test_hf_tp import _hf, fits_or_errors
 
 SP = {"class": HYBRID, "tensor_parallel_size": 2, "sequence_parallel": True}
 # family -> the largest fraction of the parameters one rank may hold
@@ -38,10 +38,25 @@ def _sp(model: str, **config: Any) -> FitSpec:
                                trainer_kwargs={**base.trainer_kwargs, "gradient_clip_val": CLIP})
 
 
+# With what users combine it: padding with an attention mask and HF's labels= loss, HF's own gradient
+# checkpointing (transformers checkpoints the layer's class forward: its recomputation runs outside the
+# layer's call), the package's activation checkpointing, loss parallelism.
+VARIANTS = {
+    "llama labels padding": (_hf("llama", "labels", padding=True), SP),
+    "qwen2 HF gradient checkpointing": (_hf("qwen2", "labels", gradient_checkpointing=True), SP),
+    "llama activation_checkpointing": (_hf("llama"), {**SP, "activation_checkpointing": True}),
+    "gpt2 loss_parallel": (_hf("gpt2"), {**SP, "loss_parallel": True}),
+}
+
+
 def test_hf_sequence_parallel_matches_single_process_or_refuses() -> None:
     specs = [_sp(family) for family in FAMILIES]
+    variants = [dataclasses.replace(spec, strategy=strategy, devices=2) for spec, strategy in VARIANTS.values()]
     refused = [_sp("vit"), _sp("llama", output_hidden_states=True)]
-    results = run_distributed(fits_or_errors, 2, [*specs, *refused], init_backend=None, timeout=900)[0]
+    results = run_distributed(fits_or_errors, 2, [*specs, *variants, *refused], init_backend=None, timeout=900)[0]
+    for label, spec, result in zip(VARIANTS, variants, results[len(specs):]):
+        assert "error" not in result, f"{label}: {result.get('trace')}"
+        assert_parity(result, _reference(spec), label, per_tensor=True, metrics=False)
     for (family, max_local), spec, result in zip(FAMILIES.items(), specs, results):
         assert "error" not in result, f"{family}: {result.get('trace')}"
         reference = _reference(spec)
@@ -49,7 +64,7 @@ def test_hf_sequence_parallel_matches_single_process_or_refuses() -> None:
         assert_parity(result, reference, family, per_tensor=True, metrics=False)
         local = result["layout"]["local_param_numel"] / sum(p.numel() for p in result["params"].values())
         assert local < max_local, f"{family}: each rank holds {local:.2f} of the parameters"
-    vit, hidden = results[len(specs):]
+    vit, hidden = results[len(specs) + len(variants):]
     assert vit.get("error") == "ValueError" and "divisible by tensor_parallel_size=2" in vit["message"], vit
     assert "(8, 17, 32)" in vit["message"], vit
     assert hidden.get("error") == "ValueError" and "output_hidden_states" in hidden["message"], hidden

@@ -117,6 +117,32 @@ def check_stacks(module: nn.Module, regions: Iterable[str], experts: Iterable[st
         )
 
 
+def _dtensor_semantics(fn: Any) -> Any:
+    """``fn`` run in the regions' dispatch mode, plain tensors joining as replicated (module doc)."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with ReplicateMixedMode(), implicit_replication():
+            return fn(*args, **kwargs)
+
+    return run
+
+
+class _CheckpointInDTensorSemantics:
+    """A Hugging Face layer's ``_gradient_checkpointing_func`` whose function runs in DTensor semantics.
+
+    Why: transformers (5) checkpoints a layer's class ``forward``, not the module call, so the
+    backward's recomputation calls that ``forward`` directly, outside :class:`StackLayerForward` and
+    its dispatch mode (measured: Qwen2 with ``gradient_checkpointing_enable()`` failed in backward on
+    a norm weight meeting the split stream). Wrapping the function given to the checkpoint runs the
+    first pass and the recomputation alike in it, reentrant or not."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __call__(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        return self.inner(_dtensor_semantics(fn), *args, **kwargs)
+
+
 class StackLayerForward:
     """A stack layer's ``forward``: the stream as a ``Shard(1)`` DTensor, the layer's code in DTensor
     semantics; the first layer splits the full hidden states, the last gathers them (module doc).
@@ -140,8 +166,10 @@ class StackLayerForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.first:
             args, kwargs = _first_tensor_arg(args, kwargs, self._split)
-        with ReplicateMixedMode(), implicit_replication():
-            out = self.original(*args, **kwargs)
+        checkpoint = getattr(self.module, "_gradient_checkpointing_func", None)  # set whenever the user enables it
+        if checkpoint is not None and not isinstance(checkpoint, _CheckpointInDTensorSemantics):
+            self.module._gradient_checkpointing_func = _CheckpointInDTensorSemantics(checkpoint)
+        out = _dtensor_semantics(self.original)(*args, **kwargs)
         return _first_tensor_out(out, full_value) if self.last else out
 
 

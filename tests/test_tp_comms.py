@@ -203,3 +203,19 @@ def test_sequence_parallel_hf_models_at_the_minimum() -> None:
             label = f"{name} rank {rank}: {dtensor} against {minimum}"
             assert minimum["regions"] > 0 and minimum["fwd_RS"] == minimum["regions"], label
             assert {k: v for k, v in dtensor.items() if v} == {k: v for k, v in expected.items() if v}, label
+
+
+def test_t5_position_bias_gathers_its_gradient_once_per_stack() -> None:
+    """T5's relative position bias, made in each stack's first layer and read by every layer as (part of)
+    its SDPA mask, is cut to this rank's heads once (``parallel/tensor/head_bias.py``): its gradient is
+    gathered once per stack (encoder, decoder), not once per layer; everything else at the minimum."""
+    from lightning_parallel.coverage import MODELS
+
+    strategy = {"class": "lightning_parallel:HybridParallelStrategy", "tensor_parallel_size": 2}
+    spec = dataclasses.replace(MODELS["t5"], strategy=strategy, devices=2, max_steps=2, trainer_kwargs={},
+                               callbacks=[("lightning_parallel.testing.comm_counts:CommCounter", {"model": "t5", "layout": "tp2"})])
+    for rank, (result,) in enumerate(run_distributed(_stage_counts, 2, [spec], init_backend=None, timeout=400)):
+        counts, minimum = result["counts"], result["minimum"]
+        dtensor = {k: v for k, v in counts.items() if k.split("/")[:2] in (["fwd", "dtensor"], ["bwd", "dtensor"]) and not k.endswith("/bytes")}
+        expected = {"fwd/dtensor/AR": minimum["fwd_AR"], "bwd/dtensor/AR": minimum["bwd_AR"], "bwd/dtensor/AG": 2}
+        assert {k: v for k, v in dtensor.items() if v} == expected, f"rank {rank}: {dtensor} against {minimum}"

@@ -52,7 +52,8 @@ from lightning_parallel.parallel.errors import config_error
 from lightning_parallel.parallel.tensor.attention_weights import drop_unrequested_weights, mark_probabilities
 from lightning_parallel.parallel.tensor.fused import slice_packed, split_packed
 from lightning_parallel.parallel.tensor.merged_heads import local_baddbmm
-from lightning_parallel.parallel.tensor.region_inputs import gathered_stream, local_piece, replicated_region_input, ungathered
+from lightning_parallel.parallel.tensor.head_bias import derived_cut, head_cut, note_derived
+from lightning_parallel.parallel.tensor.region_inputs import gathered_stream, replicated_region_input, ungathered
 
 
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -71,7 +72,8 @@ def _local_mask(mask: Any, mesh: DeviceMesh, heads: int) -> Tensor | None | bool
     A mask broadcast over the heads is used as is. A per-head one (T5's position bias, an ALiBi
     bias: ``(..., H, T, S)``) is cut to this rank's heads: taken as is when already split along
     them, else sliced from the replicated whole, whose gradient (if it needs one) is then gathered
-    back in the backward, as DTensor's own rule for the full attention does."""
+    back in the backward, as DTensor's own rule for the full attention does: once for every layer
+    reading the same bias (``head_bias``)."""
     if mask is None:
         return None
     if not isinstance(mask, Tensor) or (isinstance(mask, DTensor) and mask.device_mesh != mesh):
@@ -83,11 +85,14 @@ def _local_mask(mask: Any, mesh: DeviceMesh, heads: int) -> Tensor | None | bool
     head_dim = mask.ndim - 3
     if mask.shape[-3] != heads or heads % mesh.size():
         return False
+    derived = derived_cut(mask, mesh, head_dim)  # (torch.where(padding, bias, min) of) a bias layers share
+    if derived is not None:
+        return derived
     if isinstance(mask, DTensor) and tuple(mask.placements) == (Shard(head_dim),):
         return mask.to_local()
     if isinstance(mask, DTensor) and not all(isinstance(p, Replicate) for p in mask.placements):
         return False
-    return local_piece(mask, mesh, Shard(head_dim))
+    return head_cut(mask, mesh, head_dim)
 
 
 def local_sdpa(args: tuple, kwargs: dict) -> Tensor | None:
@@ -171,6 +176,7 @@ class ReplicateMixedMode(TorchFunctionMode):
     def _wrapped(cls, func: Callable, args: tuple, kwargs: dict) -> Any:
         out = cls._call(func, args, kwargs)
         mark_probabilities(func, args, out)  # attention weights: gathered only if the model returns them
+        note_derived(func, args, kwargs, out)  # a mask made from a per-head bias: cut from the bias's one cut
         return out
 
     @staticmethod

@@ -31,6 +31,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from lightning_parallel.compat import in_backward, tensor_version
 
 _SHARED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_SOURCES: WeakIdKeyDictionary = WeakIdKeyDictionary()  # a conversion -> the plain tensor it was made from
 
 
 def replicated_region_input(x: Tensor, mesh: DeviceMesh) -> DTensor:
@@ -47,7 +48,14 @@ def replicated_region_input(x: Tensor, mesh: DeviceMesh) -> DTensor:
     converted = DTensor.from_local(x, mesh, [Replicate()] * mesh.ndim, run_check=False)
     if shareable:
         _SHARED[x] = (key, weakref.ref(converted))
+        _SOURCES[converted] = x
     return converted
+
+
+def replicated_source(x: Tensor) -> Tensor:
+    """The plain tensor :func:`replicated_region_input` converted into ``x``, else ``x``: one key for a
+    value that regions read both as it was made and as their converted input (``head_bias``)."""
+    return _SOURCES.get(x, x) if isinstance(x, DTensor) else x
 
 
 _GATHERED: WeakIdKeyDictionary = WeakIdKeyDictionary()  # a stack stream gathered for regions -> (key, the stream)
@@ -98,4 +106,4 @@ def local_piece(x: Tensor, mesh: DeviceMesh, placement: Placement) -> Tensor:
     return whole.redistribute(mesh, [placement]).to_local()
 
 
-__all__ = ["gathered_stream", "local_piece", "replicated_region_input", "ungathered"]
+__all__ = ["gathered_stream", "local_piece", "replicated_region_input", "replicated_source", "ungathered"]

@@ -1,0 +1,99 @@
+"""A replicated per-head bias cut to this rank's heads once, for every layer that reads it.
+
+T5 computes its relative position bias ``(1, H, T, S)`` in the first layer's attention, returns it,
+and every later layer of the stack reads it. Under SDPA, Hugging Face turns it into each layer's
+attention mask: ``bias.contiguous()``, or ``torch.where(mask, bias, min).contiguous()`` with a
+padding or causal mask (``create_position_bias_mask``). The bias is replicated (its embedding is
+small and stays whole) and the attention is split along the heads, so each layer's mask was cut
+to this rank's heads: a local slice forward, whose backward gathers the gradient whole, once per
+layer (issue 26: T5 1.19x the minimum, 4 all-gathers per step more).
+
+Here the bias itself is cut once (:func:`head_cut`, keyed by the tensor as it was made: a later
+region reads it converted to a replicated DTensor, ``region_inputs.replicated_source`` maps that
+back), each layer's mask is rebuilt on this rank's heads from that one cut (the region's dispatch
+mode records how a mask was made from a bias, :func:`note_derived`; attention asks for
+:func:`derived_cut`), and autograd sums the layers' gradients before the one gather. Exact: the
+same values (``where`` and copies are elementwise over the heads), one gather per bias.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.utils.weak import WeakIdKeyDictionary
+
+from lightning_parallel.compat import in_backward, tensor_version
+from lightning_parallel.parallel.tensor.region_inputs import replicated_source
+
+_CUTS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # a bias -> (key, its head-split DTensor)
+# A mask made from a bias -> (cond, bias, other) of torch.where, or (None, bias, None) for a copy of it.
+_DERIVED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_COPIES: frozenset[Callable[..., Any]] = frozenset({Tensor.contiguous, Tensor.clone, torch.clone})
+
+
+def _replicated_bias(x: Any) -> bool:
+    """A 4-D tensor that needs a gradient and is the same on every rank (plain, or a replicated DTensor)."""
+    if not isinstance(x, Tensor) or x.ndim != 4 or not x.requires_grad:
+        return False
+    return not isinstance(x, DTensor) or all(isinstance(p, Replicate) for p in x.placements)
+
+
+def head_cut(x: Tensor, mesh: DeviceMesh, dim: int) -> Tensor:
+    """This rank's heads (``Shard(dim)``) of ``x`` (plain or replicated: the same on every rank) as a
+    local tensor; one redistribution per tensor for all its readers (module doc)."""
+    x = replicated_source(x)
+    shareable = torch.is_grad_enabled() and x.requires_grad and not in_backward()
+    key = (id(mesh), dim, tensor_version(x))
+    entry = _CUTS.get(x) if shareable else None
+    if entry is not None and entry[0] == key:
+        return entry[1].to_local()
+    whole = x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    cut = whole.redistribute(mesh, [Shard(dim)])
+    if shareable:
+        _CUTS[x] = (key, cut)
+    return cut.to_local()
+
+
+def note_derived(func: Callable[..., Any], args: tuple, kwargs: dict, out: Any) -> None:
+    """Remember how ``out`` was made from a replicated bias: ``torch.where(cond, bias, other)``, or a copy
+    (``contiguous``, ``clone``) of a bias or of such a mask. Called for every call in a region."""
+    if func is torch.where:
+        if not kwargs and len(args) == 3 and _replicated_bias(args[1]) and isinstance(out, Tensor):
+            _DERIVED[out] = args
+    elif func in _COPIES and args and isinstance(out, Tensor) and out is not args[0]:
+        src = args[0]
+        recipe = _DERIVED.get(src) if isinstance(src, Tensor) else None
+        if recipe is not None:
+            _DERIVED[out] = recipe
+        elif _replicated_bias(src):
+            _DERIVED[out] = (None, src, None)
+
+
+def derived_cut(mask: Tensor, mesh: DeviceMesh, dim: int) -> Tensor | None:
+    """This rank's heads of a mask :func:`note_derived` recorded, rebuilt from the bias's one cut; else None."""
+    recipe = _DERIVED.get(mask)
+    if recipe is None:
+        return None
+    cond, bias, other = recipe
+    if cond is None:
+        return head_cut(bias, mesh, dim)
+
+    def local(x: Any) -> Any:  # no gradient: this rank's heads by a local slice, or broadcast as is
+        if not isinstance(x, Tensor):
+            return x
+        whole = x.to_local() if isinstance(x, DTensor) else x
+        if whole.ndim == mask.ndim and whole.shape[dim] == mask.shape[dim] > 1:
+            return whole.chunk(mesh.size(), dim=dim)[mesh.get_local_rank()]
+        return whole
+
+    if isinstance(cond, Tensor) and cond.requires_grad or isinstance(other, Tensor) and other.requires_grad:
+        return None
+    return torch.where(local(cond), head_cut(bias, mesh, dim), local(other))
+
+
+__all__ = ["derived_cut", "head_cut", "note_derived"]

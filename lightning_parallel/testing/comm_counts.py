@@ -215,11 +215,12 @@ def _sequence_parallel_minimum(pl_module: nn.Module, plan: Any, regions: int, in
     """Megatron's sequence-parallel minimum for this rank's model (no pipeline: sequence parallelism is
     refused with one), and the count and elements of the replicated parameters whose gradients are all-reduced.
 
-    Per region a reduce-scatter of its output (an all-gather of its gradient in backward), and per distinct
-    tensor the regions read an all-gather of the sequence (a reduce-scatter of its gradient): a parallel
-    block's attention and MLP gather their one input once. Where the stream is split: from the embedding (its reduce-scatter, gathered before the LM
-    head), or, for models that read the sequence length, over each block stack (``sequence_stacks``: the
-    embedding all-reduces, each stack's last layer gathers, each first layer's slice gathers its gradient).
+    Per region a reduce-scatter of its output (an all-gather of its gradient in backward), and per
+    distinct tensor the regions read an all-gather of the sequence (a reduce-scatter of its gradient):
+    a parallel block's attention and MLP gather their one input once. Where the stream is split: from
+    the embedding (its reduce-scatter, gathered before the LM head), or, for models that read the
+    sequence length, over each block stack (``sequence_stacks``: the embedding all-reduces, each
+    stack's last layer gathers, each first layer's slice gathers its gradient).
     Every replicated parameter on the split stream (norms) has a partial gradient to all-reduce: one each
     here; Megatron-LM coalesces them into one flat all-reduce per step (``_allreduce_layernorm_grads`` in
     ``megatron/core/distributed/finalize_model_grads.py``), with the same bytes."""

@@ -53,7 +53,7 @@ from lightning_parallel.parallel.tensor.attention_weights import drop_unrequeste
 from lightning_parallel.parallel.tensor.fused import slice_packed, split_packed
 from lightning_parallel.parallel.tensor.merged_heads import local_baddbmm
 from lightning_parallel.parallel.tensor.head_bias import derived_cut, head_cut, note_derived
-from lightning_parallel.parallel.tensor.region_inputs import gathered_stream, replicated_region_input, ungathered
+from lightning_parallel.parallel.tensor.region_inputs import gathered_stream, is_sequence_stream, replicated_region_input, ungathered
 
 
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -323,11 +323,6 @@ class RegionForward:
         self.gather_input = gather_input
         self.slice_output = slice_output
 
-    @staticmethod
-    def _stream(x: Any) -> bool:
-        """The hidden states as a block stack's sequence-split stream (``sequence_stacks``)."""
-        return isinstance(x, DTensor) and x.device_mesh.ndim == 1 and x.placements[0] == Shard(1)
-
     def _region_input(self, x: Tensor) -> Tensor:
         """The hidden states as ONE replicated DTensor for the whole region (sequence gathered first
         under sequence parallelism).
@@ -339,7 +334,7 @@ class RegionForward:
         and the one conversion here reduces them once: an all-reduce, or under sequence parallelism
         a reduce-scatter back to this rank's slice (the Megatron minimum).
         """
-        if self._stream(x):  # gathered once here (q, k and v would each gather it)
+        if is_sequence_stream(x):  # gathered once here (q, k and v would each gather it)
             return gathered_stream(x)
         if isinstance(x, DTensor) or not x.is_floating_point():
             return gather_sequence(x, self.mesh) if self.gather_input and not isinstance(x, DTensor) else x
@@ -379,7 +374,7 @@ class RegionForward:
         if _REGION_DEPTH.value:  # inside another region (BERT's attention in its layer): part of it
             return self.original(*args, **kwargs)
         hidden = next((a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)), None)
-        stream = self._stream(hidden)  # under sequence parallelism over block stacks (``sequence_stacks``)
+        stream = is_sequence_stream(hidden)  # under sequence parallelism over block stacks (``sequence_stacks``)
         _REGION_DEPTH.value += 1
         try:
             out = self._run(args, kwargs, stream)

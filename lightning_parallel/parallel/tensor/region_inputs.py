@@ -16,6 +16,10 @@ mesh and the tensor's version counter (an in-place write in between makes a fres
 holds the DTensor weakly too, so an entry lives only while a region's autograd graph saves the
 DTensor; a conversion made without grad mode, or in a backward pass (an activation checkpoint's
 recomputation, whose graph must not reach the original forward's), is never shared.
+
+Under sequence parallelism over block stacks (``sequence_stacks``) the same holds for the split
+stream: :func:`gathered_stream` gathers it once for every region reading it, and :func:`ungathered`
+lets an arithmetic op that meets the gathered copy beside a split tensor use the stream itself.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import weakref
 import torch
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_parallel.compat import in_backward, tensor_version
@@ -62,6 +66,11 @@ _GATHERED: WeakIdKeyDictionary = WeakIdKeyDictionary()  # a stack stream gathere
 _STREAMS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # a stack stream -> (key, weakref to its gathered DTensor)
 _ARITHMETIC = frozenset({torch.add, torch.sub, torch.mul, Tensor.add, Tensor.sub, Tensor.mul, Tensor.__add__,
                          Tensor.__radd__, Tensor.__sub__, Tensor.__rsub__, Tensor.__mul__, Tensor.__rmul__})
+
+
+def is_sequence_stream(x: object) -> bool:
+    """A block stack's sequence-split stream: a ``Shard(1)`` DTensor on a 1-D (tensor-parallel) mesh."""
+    return isinstance(x, DTensor) and x.device_mesh.ndim == 1 and x.placements[0] == Shard(1)
 
 
 def gathered_stream(x: DTensor) -> DTensor:
@@ -106,4 +115,4 @@ def local_piece(x: Tensor, mesh: DeviceMesh, placement: Placement) -> Tensor:
     return whole.redistribute(mesh, [placement]).to_local()
 
 
-__all__ = ["gathered_stream", "local_piece", "replicated_region_input", "replicated_source", "ungathered"]
+__all__ = ["gathered_stream", "is_sequence_stream", "local_piece", "replicated_region_input", "replicated_source", "ungathered"]

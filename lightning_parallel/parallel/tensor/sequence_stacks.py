@@ -44,7 +44,7 @@ from torch.distributed.tensor.experimental import implicit_replication
 from lightning_parallel.parallel.blocks import is_hf_model
 from lightning_parallel.parallel.errors import config_error
 from lightning_parallel.parallel.tensor.attention import ReplicateMixedMode, _first_tensor_arg, _first_tensor_out, full_value
-from lightning_parallel.parallel.tensor.region_inputs import gathered_stream
+from lightning_parallel.parallel.tensor.region_inputs import gathered_stream, is_sequence_stream
 
 
 def inside(name: str, containers: Iterable[str]) -> bool:
@@ -193,7 +193,7 @@ def _gather_stream_input(module: nn.Module, args: tuple) -> tuple | None:
     BART's MLP, whose region is the whole layer) handed the layer the ``Shard(1)`` stream; DTensor's
     matmul gathered it in the forward and, the matmul having saved the split input for its weight
     gradient, gathered it again in the backward: one all-gather per region more than the minimum."""
-    if args and isinstance(args[0], DTensor) and args[0].device_mesh.ndim == 1 and args[0].placements[0] == Shard(1):
+    if args and is_sequence_stream(args[0]):
         return (gathered_stream(args[0]), *args[1:])
     return None
 

@@ -226,20 +226,17 @@ def _sequence_parallel_minimum(pl_module: nn.Module, plan: Any, regions: int, in
     ``megatron/core/distributed/finalize_model_grads.py``), with the same bytes."""
     from torch.distributed.tensor import DTensor
 
-    from lightning_parallel.parallel.tensor.sequence_stacks import block_stacks, inside, reads_sequence_length, whole_blocks
+    from lightning_parallel.parallel.tensor.sequence_stacks import reads_sequence_length, stack_span, whole_blocks
 
     if reads_sequence_length(pl_module):
-        stacks = block_stacks(pl_module, plan.regions)
-        layers = [layer for stack in stacks for layer in stack]
-        whole = whole_blocks(pl_module, stacks, plan.regions)  # gather their input, their gradient's once each
-        # An MoE layer with split experts runs on the gathered sequence too: a region (counted in R and I) whose
-        # replicated parameters (router) compute on whole tokens. Its experts all-reduce where Megatron
-        # reduce-scatters (flattened tokens): the minimum keeps Megatron's kinds.
-        experts = [name for name, style in plan.styles.items() if style == EXPERTS]
-        gathered = whole_blocks(pl_module, stacks, plan.regions, experts)
+        # An MoE layer with split experts runs on the gathered sequence too (``span.gathered``): a region
+        # (counted in R and I) whose replicated parameters (router) compute on whole tokens. Its experts
+        # all-reduce where Megatron reduce-scatters (flattened tokens): the minimum keeps Megatron's kinds.
+        span = stack_span(pl_module, plan.regions, [name for name, style in plan.styles.items() if style == EXPERTS])
+        whole = whole_blocks(pl_module, span.stacks, plan.regions)  # kept whole: gather their input, and its gradient, once
         replicated = [p for n, p in pl_module.named_parameters() if p.requires_grad and not isinstance(p, DTensor)
-                      and inside(n, layers) and not inside(n, gathered)]
-        ends = len(stacks)
+                      and n.rpartition(".")[0] in span.split]
+        ends = len(span.stacks)
         # An encoder-decoder's encoder output (gathered at its stack's end) is read whole by every cross-attention:
         # its gradient is all-reduced, not reduce-scattered.
         cross = int(bool(getattr(getattr(getattr(pl_module, "model", None), "config", None), "is_encoder_decoder", False)))

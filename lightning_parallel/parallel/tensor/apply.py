@@ -72,12 +72,12 @@ from lightning_parallel.parallel.tensor.fused import Conv1DRowwiseParallel, Fuse
 from lightning_parallel.parallel.tensor.loss import install_sharded_head
 from lightning_parallel.parallel.tensor.plan import TensorParallelPlan
 from lightning_parallel.parallel.tensor.sequence_stacks import (
-    block_stacks,
+    StackSpan,
     check_stacks,
     inside,
     install_stack_layers,
     reads_sequence_length,
-    whole_blocks,
+    stack_span,
 )
 from lightning_parallel.parallel.tensor.styles import COLWISE, COLWISE_GATHER, EMBEDDING_ROWWISE, EXPERTS, ROWWISE, ROWWISE_SPLIT_INPUT
 
@@ -164,33 +164,30 @@ def _experts(plan: TensorParallelPlan) -> list[str]:
     return [name for name, style in plan.styles.items() if style == EXPERTS]
 
 
-def _sequence_span(module: nn.Module | None, plan: TensorParallelPlan, sequence_parallel: bool) -> frozenset[str] | None:
-    """The modules that see the residual stream split under sequence parallelism: those of the block
-    stacks' layers less the ones that run on the gathered sequence (``sequence_stacks``), or None for
-    the whole model between embedding and LM head."""
-    if not sequence_parallel or module is None or not reads_sequence_length(module):
+def _sequence_span(module: nn.Module, plan: TensorParallelPlan, sequence_parallel: bool) -> StackSpan | None:
+    """Sequence parallelism over the block stacks (``sequence_stacks``), or None: none at all, or from
+    the embedding to the LM head (the package's own models)."""
+    if not sequence_parallel or not reads_sequence_length(module):
         return None
-    stacks = block_stacks(module, plan.regions)
-    gathered = whole_blocks(module, stacks, plan.regions, _experts(plan))
-    return frozenset(n for layer in (layer for stack in stacks for layer in stack)
-                     for n, _ in module.get_submodule(layer).named_modules(prefix=layer) if not inside(n, gathered))
+    return stack_span(module, plan.regions, _experts(plan))
 
 
 def _styles(
-    plan: TensorParallelPlan, sequence_parallel: bool, loss_parallel: bool = False, module: nn.Module | None = None
+    plan: TensorParallelPlan, sequence_parallel: bool, loss_parallel: bool = False, module: nn.Module | None = None,
+    span: StackSpan | None = None,
 ) -> dict[str, ParallelStyle]:
     """One torch ``ParallelStyle`` per planned module (experts modules are split separately).
 
     ``module`` (the root the plan was resolved on) tells ``Conv1D`` apart from ``nn.Linear``;
-    without it every linear is taken for an ``nn.Linear``.
+    without it every linear is taken for an ``nn.Linear``. ``span``: sequence parallelism over
+    block stacks (:func:`_sequence_span`).
     """
-    span = _sequence_span(module, plan, sequence_parallel)
     regions = set(plan.regions)
     out: dict[str, ParallelStyle] = {}
     for name, style in plan.styles.items():
         in_region = inside(_parent(name), regions)
         # Split along the sequence here: every module under sequence parallelism, or only the stacks' layers.
-        sp = sequence_parallel and (span is None or name in span)
+        sp = sequence_parallel and (span is None or name in span.split)
         mod = module.get_submodule(name) if module is not None else nn.Linear(1, 1)
         packed = plan.packed.get(name, 1)
         if style == COLWISE:
@@ -254,7 +251,10 @@ def apply_tensor_parallel(
     are used. Build the optimizer after this call: the parameters are new DTensor objects.
     """
     check_tensor_parallel(module, tp_mesh, plan, sequence_parallel, loss_parallel)
-    styles = _styles(plan, sequence_parallel, loss_parallel, module)
+    # Sequence parallelism from the embedding to the LM head (plain local slices between the regions),
+    # or over the block stacks (a Shard(1) DTensor stream the regions recognise: ``sequence_stacks``).
+    span = _sequence_span(module, plan, sequence_parallel)
+    styles = _styles(plan, sequence_parallel, loss_parallel, module, span)
     ties = _ties(module, set(styles))
     parallelize_module(module, tp_mesh, styles)
     for name, style in plan.styles.items():
@@ -281,18 +281,14 @@ def apply_tensor_parallel(
                 stacklevel=2,
             )
         install_sharded_head(module, heads)
-    # Sequence parallelism from the embedding to the LM head (plain local slices between the regions),
-    # or over the block stacks (a Shard(1) DTensor stream the regions recognise: ``sequence_stacks``).
-    span = _sequence_span(module, plan, sequence_parallel)
     sp = sequence_parallel and span is None
     if plan.regions:
         track_requested_attentions(module)
-    stacks = block_stacks(module, plan.regions) if span is not None else []
-    for name in (*plan.regions, *whole_blocks(module, stacks, plan.regions, _experts(plan))):
+    for name in (*plan.regions, *(span.gathered if span is not None else ())):
         install_region(module.get_submodule(name), tp_mesh, dtensor_region=True, gather_input=sp)
     if span is not None:
         columns = [name for name, style in plan.styles.items() if style == COLWISE]
-        install_stack_layers(module, tp_mesh, stacks, columns)
+        install_stack_layers(module, tp_mesh, span.stacks, columns)
     if not sp:
         return
     for name in plan.blocks:

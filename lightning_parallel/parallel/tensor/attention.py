@@ -53,7 +53,13 @@ from lightning_parallel.parallel.tensor.attention_weights import drop_unrequeste
 from lightning_parallel.parallel.tensor.fused import slice_packed, split_packed
 from lightning_parallel.parallel.tensor.merged_heads import local_baddbmm
 from lightning_parallel.parallel.tensor.head_bias import derived_cut, head_cut, note_derived
-from lightning_parallel.parallel.tensor.region_inputs import gathered_stream, is_sequence_stream, replicated_region_input, ungathered
+from lightning_parallel.parallel.tensor.region_inputs import (
+    gathered_stream,
+    is_replicated,
+    is_sequence_stream,
+    replicated_region_input,
+    ungathered,
+)
 
 
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -80,7 +86,7 @@ def _local_mask(mask: Any, mesh: DeviceMesh, heads: int) -> Tensor | None | bool
         return False
     if mask.ndim < 3 or mask.shape[-3] == 1:  # broadcast over the heads
         if isinstance(mask, DTensor):
-            return mask.to_local() if all(isinstance(p, Replicate) for p in mask.placements) else False
+            return mask.to_local() if is_replicated(mask) else False
         return mask
     head_dim = mask.ndim - 3
     if mask.shape[-3] != heads or heads % mesh.size():
@@ -90,7 +96,7 @@ def _local_mask(mask: Any, mesh: DeviceMesh, heads: int) -> Tensor | None | bool
         return derived
     if isinstance(mask, DTensor) and tuple(mask.placements) == (Shard(head_dim),):
         return mask.to_local()
-    if isinstance(mask, DTensor) and not all(isinstance(p, Replicate) for p in mask.placements):
+    if not is_replicated(mask):
         return False
     return head_cut(mask, mesh, head_dim)
 
@@ -253,12 +259,18 @@ def gather_sequence(x: Tensor, mesh: DeviceMesh, dim: int = 1) -> Tensor:
     return DTensor.from_local(x, mesh, [Shard(dim)], run_check=False).redistribute(mesh, [Replicate()]).to_local()
 
 
-def sequence_slice(value: Tensor) -> Tensor:
-    """A region's hidden-state output under sequence parallelism as this rank's plain slice of the
-    sequence: a row-parallel ``Partial`` sum reduce-scattered, a ``Shard(1)`` one as it is."""
+def to_stream(value: Any) -> Any:
+    """A region's hidden-state output under sequence parallelism split along the sequence: a
+    row-parallel ``Partial`` sum reduce-scattered, a ``Shard(1)`` one as it is; a plain one as is."""
     if isinstance(value, DTensor):
-        return value.redistribute(value.device_mesh, [Shard(1)] * value.device_mesh.ndim).to_local()
+        return value.redistribute(value.device_mesh, [Shard(1)] * value.device_mesh.ndim)
     return value
+
+
+def sequence_slice(value: Tensor) -> Tensor:
+    """:func:`to_stream` as this rank's plain slice of the sequence."""
+    value = to_stream(value)
+    return value.to_local() if isinstance(value, DTensor) else value
 
 
 def slice_sequence(x: Tensor, mesh: DeviceMesh, dim: int = 1) -> Tensor:
@@ -381,7 +393,7 @@ class RegionForward:
         finally:
             _REGION_DEPTH.value -= 1
         if stream and self.dtensor_region:  # stays the stack's split stream: a reduce-scatter of the partial sums
-            return _first_tensor_out(out, lambda y: y.redistribute(y.device_mesh, [Shard(1)]) if isinstance(y, DTensor) else y)
+            return _first_tensor_out(out, to_stream)
         return out
 
     def _run(self, args: tuple, kwargs: dict, stream: bool) -> Any:

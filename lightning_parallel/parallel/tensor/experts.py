@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 
 from lightning_parallel.compat import StridedShard
 from lightning_parallel.parallel.errors import config_error
+from lightning_parallel.parallel.tensor.region_inputs import is_replicated
 
 
 def experts_layout(module: nn.Module) -> tuple[int, int, int] | None:
@@ -107,10 +108,6 @@ def _sum_grads(values: list[Any], mesh: DeviceMesh) -> list[Any]:
     return out
 
 
-def _replicated(value: Any) -> bool:
-    return isinstance(value, DTensor) and all(isinstance(p, Replicate) for p in value.placements)
-
-
 class ExpertsForward:
     """Replaces an experts module's ``forward``: local expert shards, outputs summed over tp."""
 
@@ -143,7 +140,7 @@ class ExpertsForward:
         keys = list(kwargs)
         # Inside a region (an MoE layer run on the gathered sequence under sequence parallelism) the
         # inputs are replicated DTensors: the experts' loop runs on their local (whole) values.
-        values = [v.to_local() if _replicated(v) else v for v in (*args, *(kwargs[k] for k in keys))]
+        values = [v.to_local() if isinstance(v, DTensor) and is_replicated(v) else v for v in (*args, *(kwargs[k] for k in keys))]
         values = _sum_grads(values, mesh)
         args, kwargs = tuple(values[: len(args)]), dict(zip(keys, values[len(args):], strict=True))
         out = self._run_local(args, kwargs)

@@ -24,11 +24,11 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Shard
 from torch.utils.weak import WeakIdKeyDictionary
 
-from lightning_parallel.compat import in_backward, tensor_version
-from lightning_parallel.parallel.tensor.region_inputs import replicated_source
+from lightning_parallel.compat import tensor_version
+from lightning_parallel.parallel.tensor.region_inputs import is_replicated, local_piece, piece, replicated_source, shared_conversion
 
 _CUTS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # a bias -> (key, its head-split DTensor)
 # A mask made from a bias -> (cond, bias, other) of torch.where, or (None, bias, None) for a copy of it.
@@ -38,24 +38,15 @@ _COPIES: frozenset[Callable[..., Any]] = frozenset({Tensor.contiguous, Tensor.cl
 
 def _replicated_bias(x: Any) -> bool:
     """A 4-D tensor that needs a gradient and is the same on every rank (plain, or a replicated DTensor)."""
-    if not isinstance(x, Tensor) or x.ndim != 4 or not x.requires_grad:
-        return False
-    return not isinstance(x, DTensor) or all(isinstance(p, Replicate) for p in x.placements)
+    return isinstance(x, Tensor) and x.ndim == 4 and x.requires_grad and is_replicated(x)
 
 
 def head_cut(x: Tensor, mesh: DeviceMesh, dim: int) -> Tensor:
     """This rank's heads (``Shard(dim)``) of ``x`` (plain or replicated: the same on every rank) as a
     local tensor; one redistribution per tensor for all its readers (module doc)."""
     x = replicated_source(x)
-    shareable = torch.is_grad_enabled() and x.requires_grad and not in_backward()
-    key = (id(mesh), dim, tensor_version(x))
-    entry = _CUTS.get(x) if shareable else None
-    if entry is not None and entry[0] == key:
-        return entry[1].to_local()
-    whole = x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, [Replicate()] * mesh.ndim, run_check=False)
-    cut = whole.redistribute(mesh, [Shard(dim)])
-    if shareable:
-        _CUTS[x] = (key, cut)
+    # Held, not weakly kept: between two layers nothing else references the cut DTensor.
+    cut = shared_conversion(_CUTS, x, (id(mesh), dim, tensor_version(x)), lambda: piece(x, mesh, Shard(dim)), hold=True)
     return cut.to_local()
 
 
@@ -86,10 +77,9 @@ def derived_cut(mask: Tensor, mesh: DeviceMesh, dim: int) -> Tensor | None:
     def local(x: Any) -> Any:  # no gradient: this rank's heads by a local slice, or broadcast as is
         if not isinstance(x, Tensor):
             return x
-        whole = x.to_local() if isinstance(x, DTensor) else x
-        if whole.ndim == mask.ndim and whole.shape[dim] == mask.shape[dim] > 1:
-            return whole.chunk(mesh.size(), dim=dim)[mesh.get_local_rank()]
-        return whole
+        if x.ndim == mask.ndim and x.shape[dim] == mask.shape[dim] > 1:
+            return local_piece(x, mesh, Shard(dim))
+        return x.to_local() if isinstance(x, DTensor) else x
 
     if isinstance(cond, Tensor) and cond.requires_grad or isinstance(other, Tensor) and other.requires_grad:
         return None

@@ -24,10 +24,10 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor
 
 from lightning_parallel.compat import StridedShard
-from lightning_parallel.parallel.tensor.region_inputs import local_piece
+from lightning_parallel.parallel.tensor.region_inputs import is_replicated, local_piece
 
 _BADDBMM = frozenset({torch.baddbmm, Tensor.baddbmm, torch.ops.aten.baddbmm.default})
 _ARGS = ("input", "batch1", "batch2")
@@ -40,10 +40,6 @@ def _batch_split(t: Any) -> StridedShard | None:
         if isinstance(placement, StridedShard) and placement.dim == 0:
             return placement
     return None
-
-
-def _replicated(t: Any) -> bool:
-    return not isinstance(t, DTensor) or all(isinstance(p, Replicate) for p in t.placements)
 
 
 def local_baddbmm(func: Callable[..., Any], args: tuple, kwargs: dict) -> DTensor | None:
@@ -64,9 +60,9 @@ def local_baddbmm(func: Callable[..., Any], args: tuple, kwargs: dict) -> DTenso
         return None
     if _batch_split(bias) == placement and bias.shape[0] == rows:
         local_bias = bias.to_local()
-    elif _replicated(bias) and bias.shape[0] == rows:
+    elif is_replicated(bias) and bias.shape[0] == rows:
         local_bias = local_piece(bias, mesh, placement)  # this rank's rows, no communication
-    elif _replicated(bias) and bias.shape[0] == 1 and not bias.requires_grad:
+    elif is_replicated(bias) and bias.shape[0] == 1 and not bias.requires_grad:
         # broadcast over every row: its gradient would sum this rank's rows only, so one that needs
         # a gradient is left to DTensor
         local_bias = bias.to_local() if isinstance(bias, DTensor) else bias

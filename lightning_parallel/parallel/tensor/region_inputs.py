@@ -25,6 +25,8 @@ lets an arithmetic op that meets the gathered copy beside a split tensor use the
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -38,22 +40,38 @@ _SHARED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _SOURCES: WeakIdKeyDictionary = WeakIdKeyDictionary()  # a conversion -> the plain tensor it was made from
 
 
+def shared_conversion(table: WeakIdKeyDictionary, x: Tensor, key: object, make: Callable[[], Any],
+                      hold: bool = False) -> Any:
+    """``make()``, made once per tensor ``x`` (and ``key``: its version, mesh...) for every reader, by
+    the rule of the module doc: only in grad mode, for a tensor that needs a gradient, never in a
+    backward pass; ``table`` keys ``x`` weakly and keeps the result weakly unless ``hold``."""
+    shareable = torch.is_grad_enabled() and x.requires_grad and not in_backward()
+    entry = table.get(x) if shareable else None
+    if entry is not None and entry[0] == key:
+        made = entry[1]()
+        if made is not None:
+            return made
+    made = make()
+    if shareable:
+        table[x] = (key, (lambda: made) if hold else weakref.ref(made))
+    return made
+
+
+def is_replicated(x: object) -> bool:
+    """The same value on every rank: a plain tensor, or a DTensor replicated on every mesh dim."""
+    return not isinstance(x, DTensor) or all(isinstance(p, Replicate) for p in x.placements)
+
+
 def replicated_region_input(x: Tensor, mesh: DeviceMesh) -> DTensor:
     """``x`` (a plain tensor, the same value on every rank of ``mesh``) as a replicated DTensor;
     the same DTensor for every region reading the same ``x`` in one forward (module doc)."""
-    shareable = torch.is_grad_enabled() and x.requires_grad and not in_backward()
-    key = (id(mesh), tensor_version(x))
-    if shareable:
-        entry = _SHARED.get(x)
-        if entry is not None and entry[0] == key:
-            shared = entry[1]()
-            if shared is not None:
-                return shared
-    converted = DTensor.from_local(x, mesh, [Replicate()] * mesh.ndim, run_check=False)
-    if shareable:
-        _SHARED[x] = (key, weakref.ref(converted))
+
+    def convert() -> DTensor:
+        converted = DTensor.from_local(x, mesh, [Replicate()] * mesh.ndim, run_check=False)
         _SOURCES[converted] = x
-    return converted
+        return converted
+
+    return shared_conversion(_SHARED, x, (id(mesh), tensor_version(x)), convert)
 
 
 def replicated_source(x: Tensor) -> Tensor:
@@ -77,16 +95,13 @@ def gathered_stream(x: DTensor) -> DTensor:
     """A block stack's sequence-split stream (``Shard(1)``, ``sequence_stacks``) gathered for a region:
     once for every region reading it (a parallel block's attention and MLP), for the reason the module
     doc gives, with the same keying; the gathered DTensor remembers ``x`` (see :func:`ungathered`)."""
-    shareable = torch.is_grad_enabled() and x.requires_grad and not in_backward()
-    key = tensor_version(x)
-    entry = _STREAMS.get(x) if shareable else None
-    if entry is not None and entry[0] == key and entry[1]() is not None:
-        return entry[1]()
-    full = x.redistribute(x.device_mesh, [Replicate()] * x.device_mesh.ndim)
-    _GATHERED[full] = x
-    if shareable:
-        _STREAMS[x] = (key, weakref.ref(full))
-    return full
+
+    def gather() -> DTensor:
+        full = x.redistribute(x.device_mesh, [Replicate()] * x.device_mesh.ndim)
+        _GATHERED[full] = x
+        return full
+
+    return shared_conversion(_STREAMS, x, tensor_version(x), gather)
 
 
 def ungathered(func: object, args: tuple) -> tuple:
@@ -108,11 +123,17 @@ def ungathered(func: object, args: tuple) -> tuple:
     return args
 
 
-def local_piece(x: Tensor, mesh: DeviceMesh, placement: Placement) -> Tensor:
+def piece(x: Tensor, mesh: DeviceMesh, placement: Placement) -> DTensor:
     """This rank's piece, under ``placement``, of ``x`` (plain or a replicated DTensor: the same value
-    on every rank): a local slice, no communication; differentiable, its gradient gathered back whole."""
+    on every rank) as a DTensor: a local slice, no communication; differentiable, its gradient
+    gathered back whole."""
     whole = x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, [Replicate()] * mesh.ndim, run_check=False)
-    return whole.redistribute(mesh, [placement]).to_local()
+    return whole.redistribute(mesh, [placement])
 
 
-__all__ = ["gathered_stream", "is_sequence_stream", "local_piece", "replicated_region_input", "replicated_source", "ungathered"]
+def local_piece(x: Tensor, mesh: DeviceMesh, placement: Placement) -> Tensor:
+    """:func:`piece` as this rank's local tensor."""
+    return piece(x, mesh, placement).to_local()
+
+
+__all__ = ["gathered_stream", "is_replicated", "is_sequence_stream", "local_piece", "piece", "shared_conversion", "replicated_region_input", "replicated_source", "ungathered"]

@@ -33,6 +33,7 @@ at run time: ``output_hidden_states=True`` (the model would collect the layers' 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -96,18 +97,39 @@ def whole_blocks(module: nn.Module, stacks: list[list[str]], regions: Iterable[s
     return out
 
 
+@dataclass(frozen=True)
+class StackSpan:
+    """Where the stream is split: the ``stacks`` (their layers' names), the layers' children that run
+    as regions on the gathered sequence (``gathered``, :func:`whole_blocks`), and every module that
+    sees the stream split (``split``: the layers' modules less the gathered ones)."""
+
+    stacks: list[list[str]]
+    gathered: list[str]
+    split: frozenset[str]
+
+
+def stack_span(module: nn.Module, regions: Iterable[str], experts: Iterable[str]) -> StackSpan:
+    """The :class:`StackSpan` of ``module`` (computed once per model: it walks the module tree)."""
+    regions = tuple(regions)
+    stacks = block_stacks(module, regions)
+    gathered = whole_blocks(module, stacks, regions, experts)
+    split = frozenset(n for layer in (layer for stack in stacks for layer in stack)
+                      for n, _ in module.get_submodule(layer).named_modules(prefix=layer) if not inside(n, gathered))
+    return StackSpan(stacks, gathered, split)
+
+
 def check_stacks(module: nn.Module, regions: Iterable[str], experts: Iterable[str]) -> None:
     """Refuse what this split cannot run (module doc), with no collective."""
-    stacks = block_stacks(module, regions)
-    if not stacks:
+    regions, experts = tuple(regions), tuple(experts)
+    span = stack_span(module, regions, experts)
+    if not span.stacks:
         raise config_error(
             ValueError, "sequence_parallel", True,
             f"{type(module).__name__} has no layer list (nn.ModuleList) whose layers hold its tensor-parallel "
             f"regions {list(regions)[:3]}, so there is no span of blocks to split along the sequence",
             "set sequence_parallel=false for this model",
         )
-    gathered = whole_blocks(module, stacks, regions, experts)
-    loose = [e for e in experts if any(inside(e, stack) for stack in stacks) and not inside(e, gathered)]
+    loose = [e for e in experts if any(inside(e, stack) for stack in span.stacks) and not inside(e, span.gathered)]
     if loose:
         raise config_error(
             ValueError, "sequence_parallel", True,
@@ -214,4 +236,4 @@ def install_stack_layers(module: nn.Module, mesh: DeviceMesh, stacks: list[list[
             sub.register_forward_pre_hook(_refuse_hidden_states, with_kwargs=True)
 
 
-__all__ = ["StackLayerForward", "block_stacks", "check_stacks", "inside", "install_stack_layers", "reads_sequence_length", "whole_blocks"]
+__all__ = ["StackLayerForward", "StackSpan", "block_stacks", "stack_span", "check_stacks", "inside", "install_stack_layers", "reads_sequence_length", "whole_blocks"]

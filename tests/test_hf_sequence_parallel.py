@@ -9,7 +9,7 @@ returned by the first layer and cross-attention reading the encoder stack's outp
 handed into the regions with ALiBi (Bloom), a multi-query attention kept whole inside a split stack
 (GPT-BigCode), a parallel attention + MLP block (Falcon, grouped), and MoE layers whose experts tp
 splits (Mixtral; Qwen2-MoE with a shared expert, a region inside the MoE layer), which run on the
-gathered sequence. Each must match one process (losses and parameters, per-tensor relative 1e-5,
+gathered sequence, and tokens flattened to ``(batch x sequence, width)`` around the MLP (OPT). Each must match one process (losses and parameters, per-tensor relative 1e-5,
 clipping active) and split at least half of the parameters. Refused with typed errors: a sequence
 the tp size does not divide (ViT's 17 tokens), ``output_hidden_states=True``.
 """
@@ -28,7 +28,7 @@ from tests.test_hf_tp import _hf, fits_or_errors
 SP = {"class": HYBRID, "tensor_parallel_size": 2, "sequence_parallel": True}
 # family -> the largest fraction of the parameters one rank may hold
 FAMILIES = {"llama": 0.55, "gpt2": 0.6, "bert": 0.6, "t5": 0.6, "bloom": 0.55, "gpt_bigcode": 0.66, "falcon_gqa": 0.55,
-            "mixtral": 0.55, "qwen2_moe": 0.55}
+            "mixtral": 0.55, "qwen2_moe": 0.55, "opt": 0.6}
 
 
 def _sp(model: str, **config: Any) -> FitSpec:

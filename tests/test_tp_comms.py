@@ -187,11 +187,12 @@ def test_sequence_parallel_hf_models_at_the_minimum() -> None:
     each stack's ends; one all-reduce per replicated parameter on the split stream (norms) and nothing
     else. The families cover what made more: BERT's and BART's residual add and norm inside the region
     (the gathered input added to the split output; BART's encoder output read by every cross-attention),
-    their MLP region entered through its first linear, GPT-BigCode's multi-query attention kept whole."""
+    their MLP region entered through its first linear, GPT-BigCode's multi-query attention kept whole;
+    OPT's tokens flattened to ``(batch x sequence, width)`` around its MLP (``parallel/tensor/flat_stream.py``)."""
     from lightning_parallel.coverage import MODELS
 
     strategy = {"class": "lightning_parallel:HybridParallelStrategy", "tensor_parallel_size": 2, "sequence_parallel": True}
-    names = ["llama", "bert", "bart", "gptj", "gpt_bigcode", "bloom"]
+    names = ["llama", "bert", "bart", "gptj", "gpt_bigcode", "bloom", "opt"]
     specs = [dataclasses.replace(MODELS[name], strategy=strategy, devices=2, max_steps=2, trainer_kwargs={},
                                  callbacks=[("lightning_parallel.testing.comm_counts:CommCounter", {"model": name, "layout": "tp2 sp"})])
              for name in names]

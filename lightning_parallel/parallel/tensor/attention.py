@@ -50,6 +50,7 @@ from torch.overrides import TorchFunctionMode
 from lightning_parallel.compat import AsyncCollectiveTensor, tree_flatten, tree_map
 from lightning_parallel.parallel.errors import config_error
 from lightning_parallel.parallel.tensor.attention_weights import drop_unrequested_weights, mark_probabilities
+from lightning_parallel.parallel.tensor.flat_stream import stream_norm, stream_view
 from lightning_parallel.parallel.tensor.fused import slice_packed, split_packed
 from lightning_parallel.parallel.tensor.merged_heads import local_baddbmm
 from lightning_parallel.parallel.tensor.head_bias import derived_cut, head_cut, note_derived
@@ -157,6 +158,11 @@ class ReplicateMixedMode(TorchFunctionMode):
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         args = ungathered(func, args)  # a residual add of a region's gathered input keeps the split stream
+        flat = stream_view(func, args, kwargs)  # a stack's stream flattened to tokens, or back: local
+        if flat is None:
+            flat = stream_norm(func, args, kwargs, self._wrapped)
+        if flat is not None:
+            return flat
         if func in _CAT and args and isinstance(args[0], (list, tuple)):
             args = (_without_legacy_empty(args[0]), *args[1:])
         pieces = split_packed(func, args, kwargs)  # [q | k | v] of a packed projection: its parts, still split

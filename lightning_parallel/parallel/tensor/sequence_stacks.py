@@ -45,6 +45,7 @@ from torch.distributed.tensor.experimental import implicit_replication
 from lightning_parallel.parallel.blocks import is_hf_model
 from lightning_parallel.parallel.errors import config_error
 from lightning_parallel.parallel.tensor.attention import ReplicateMixedMode, _first_tensor_arg, _first_tensor_out, full_value
+from lightning_parallel.parallel.tensor.flat_stream import is_flat_stream, note_column_input, reduce_to_stream, unflatten_stream
 from lightning_parallel.parallel.tensor.region_inputs import gathered_stream, is_sequence_stream
 
 
@@ -214,19 +215,32 @@ def _gather_stream_input(module: nn.Module, args: tuple) -> tuple | None:
     Why: a region entered through a column-parallel layer rather than its module's forward (BERT's and
     BART's MLP, whose region is the whole layer) handed the layer the ``Shard(1)`` stream; DTensor's
     matmul gathered it in the forward and, the matmul having saved the split input for its weight
-    gradient, gathered it again in the backward: one all-gather per region more than the minimum."""
-    if args and is_sequence_stream(args[0]):
+    gradient, gathered it again in the backward: one all-gather per region more than the minimum.
+    A stream flattened to tokens (``flat_stream``) is gathered the same way, and its layout noted for
+    the row-parallel layer after it."""
+    if not args:
+        return None
+    note_column_input(args[0])
+    if is_sequence_stream(args[0]):
         return (gathered_stream(args[0]), *args[1:])
+    if is_flat_stream(args[0]):  # gathered as (B, T, C): the gradient reduce-scattered, not all-reduced
+        return (gathered_stream(unflatten_stream(args[0])).reshape(args[0].shape), *args[1:])
     return None
 
 
-def install_stack_layers(module: nn.Module, mesh: DeviceMesh, stacks: list[list[str]], columns: Iterable[str] = ()) -> None:
+def install_stack_layers(
+    module: nn.Module, mesh: DeviceMesh, stacks: list[list[str]], columns: Iterable[str] = (), rows: Iterable[str] = ()
+) -> None:
     """Route every stack layer's forward through :class:`StackLayerForward` (parameters and FQNs untouched),
-    and gather a split stream where the ``columns`` (column-parallel layers) read it."""
+    gather a split stream where the ``columns`` (column-parallel layers) read it, and reduce-scatter the
+    ``rows``' (row-parallel layers') partial outputs to the stream's placement (``flat_stream``)."""
     layers = [layer for stack in stacks for layer in stack]
     for name in columns:
         if inside(name, layers):
             module.get_submodule(name).register_forward_pre_hook(_gather_stream_input)
+    for name in rows:
+        if inside(name, layers):
+            module.get_submodule(name).register_forward_hook(reduce_to_stream)
     for stack in stacks:
         for i, name in enumerate(stack):
             layer = module.get_submodule(name)

@@ -133,6 +133,8 @@ def test_hf_dp2_tp2_match_single_process() -> None:
         # FSDP2 parameters too (tests/test_hf_sequence_parallel.py has tp2 alone on more families).
         ("dp2xtp2 zero3 sequence_parallel llama", _hf("llama"), {**SP_DP, "zero_stage": 3}, 0.3),
         ("dp2xtp2 zero3 sequence_parallel bert", BERT, {**SP_DP, "zero_stage": 3}, 0.35),
+        # T5's position-bias embedding split with the heads (weight Shard(1) on tp) under FSDP2's Shard(0).
+        ("dp2xtp2 zero3 t5 labels", T5, {"class": HYBRID, "tensor_parallel_size": 2, "data_parallel_size": 2, "zero_stage": 3}, 0.35),
     ]
     specs = [dataclasses.replace(spec, strategy=strategy, devices=4) for _, spec, strategy, _ in cases]
     results = run_distributed(fits_or_errors, 4, specs, init_backend=None, timeout=900)
@@ -145,6 +147,10 @@ def test_hf_dp2_tp2_match_single_process() -> None:
 
 
 SP_DP = {"class": HYBRID, "tensor_parallel_size": 2, "data_parallel_size": 2, "sequence_parallel": True}
+T5 = dataclasses.replace(_hf("llama"), model_kwargs={
+    "family": "T5Config/T5ForConditionalGeneration", "loss": "labels", "n_layer": 2, "config": {
+        "vocab_size": 64, "d_model": 32, "d_kv": 8, "d_ff": 64, "num_layers": 2, "num_heads": 4, "dropout_rate": 0.0,
+        "decoder_start_token_id": 0}})
 BERT = dataclasses.replace(_hf("llama"), model_kwargs={  # post-norm encoder layers, regions nested in the layer
     "family": "BertConfig/BertForMaskedLM", "n_layer": 2, "config": {
         "vocab_size": 64, "hidden_size": 32, "num_attention_heads": 4, "num_hidden_layers": 2, "intermediate_size": 64,

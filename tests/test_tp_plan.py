@@ -217,3 +217,30 @@ def test_tied_embedding_and_head() -> None:
     plan = resolve_tp_plan(model, 2, user_plan={"wte": "embedding_rowwise", "head": "rowwise"})
     assert plan.styles == {}
     assert "tied" in plan.replicated["wte"]
+
+
+def _t5(num_heads: int = 4) -> nn.Module:
+    import transformers
+
+    config = transformers.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=num_heads,
+                                   dropout_rate=0.0, decoder_start_token_id=0)
+    return transformers.T5ForConditionalGeneration(config)
+
+
+def test_t5_position_bias_embedding_is_split_with_its_heads() -> None:
+    """T5's ``relative_attention_bias`` (num_buckets x heads, inside each stack's first attention) joins
+    that attention's group as ``embedding_colwise``: split with the heads at tp2 (weight dim 1, its bytes
+    counted as split), kept whole with them where the heads do not divide (3 heads at tp2). A declared
+    ``embedding_colwise`` is accepted on an embedding and refused on a linear."""
+    biases = ["encoder.block.0.layer.0.SelfAttention.relative_attention_bias",
+              "decoder.block.0.layer.0.SelfAttention.relative_attention_bias"]
+    plan = resolve_tp_plan(_t5(), 2)
+    assert [plan.styles.get(b) for b in biases] == ["embedding_colwise"] * 2, plan.table()
+    with pytest.warns(UserWarning, match="leaves 3 heads"):
+        odd = resolve_tp_plan(_t5(num_heads=3), 2)
+    assert not any(b in odd.styles for b in biases), odd.table()
+    assert "encoder.block.0.layer.0.SelfAttention.q" not in odd.styles
+    user = resolve_tp_plan(_t5(), 2, user_plan={"encoder.block.0.layer.0.SelfAttention.relative_attention_bias": "embedding_colwise"})
+    assert user.styles[biases[0]] == "embedding_colwise"
+    with pytest.raises(ValueError, match="embedding_colwise"):
+        resolve_tp_plan(_t5(), 2, user_plan={"encoder.block.0.layer.0.SelfAttention.q": "embedding_colwise"})

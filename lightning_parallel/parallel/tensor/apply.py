@@ -79,7 +79,9 @@ from lightning_parallel.parallel.tensor.sequence_stacks import (
     reads_sequence_length,
     stack_span,
 )
-from lightning_parallel.parallel.tensor.styles import COLWISE, COLWISE_GATHER, EMBEDDING_ROWWISE, EXPERTS, ROWWISE, ROWWISE_SPLIT_INPUT
+from lightning_parallel.parallel.tensor.styles import (
+    COLWISE, COLWISE_GATHER, EMBEDDING_COLWISE, EMBEDDING_ROWWISE, EXPERTS, ROWWISE, ROWWISE_SPLIT_INPUT,
+)
 
 
 def _parent(name: str) -> str:
@@ -232,6 +234,9 @@ def _styles(
                                      use_local_output=False)
             else:
                 out[name] = _colwise(mod, packed, plan.packed_biases_split, input_layouts=inputs, output_layouts=Replicate())
+        elif style == EMBEDDING_COLWISE:  # one column per head: the lookup stays split in its region
+            out[name] = ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1) if in_region else Replicate(),
+                                        use_local_output=not in_region)
         elif style == EMBEDDING_ROWWISE:
             writes_stream = sp and span is None and name in plan.stream_embeddings
             out[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1) if writes_stream else Replicate())
@@ -308,8 +313,10 @@ def apply_tensor_parallel(
     sp = sequence_parallel and span is None
     if plan.regions:
         track_requested_attentions(module)
+    head_embeddings = [name for name, style in plan.styles.items() if style == EMBEDDING_COLWISE]
     for name in (*_installed_regions(plan, span), *(span.gathered if span is not None else ())):
-        install_region(module.get_submodule(name), tp_mesh, dtensor_region=True, gather_input=sp)
+        install_region(module.get_submodule(name), tp_mesh, dtensor_region=True, gather_input=sp,
+                       keep_heads=any(inside(e, (name,)) for e in head_embeddings))
     if span is not None:
         columns = [name for name, style in plan.styles.items() if style == COLWISE]
         rows = [name for name, style in plan.styles.items() if style in (ROWWISE, ROWWISE_SPLIT_INPUT)]

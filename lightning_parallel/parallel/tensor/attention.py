@@ -49,7 +49,7 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_parallel.compat import AsyncCollectiveTensor, tree_flatten, tree_map
 from lightning_parallel.parallel.errors import config_error
-from lightning_parallel.parallel.tensor.attention_weights import drop_unrequested_weights, mark_probabilities
+from lightning_parallel.parallel.tensor.attention_weights import drop_unrequested_weights, head_split_probabilities, mark_probabilities
 from lightning_parallel.parallel.tensor.flat_stream import stream_norm, stream_view
 from lightning_parallel.parallel.tensor.fused import slice_packed, split_packed
 from lightning_parallel.parallel.tensor.merged_heads import local_baddbmm
@@ -332,7 +332,8 @@ class RegionForward:
     """
 
     def __init__(
-        self, module: nn.Module, mesh: DeviceMesh, *, dtensor_region: bool, gather_input: bool, slice_output: bool
+        self, module: nn.Module, mesh: DeviceMesh, *, dtensor_region: bool, gather_input: bool, slice_output: bool,
+        keep_heads: bool = False,
     ) -> None:
         self.module = module
         self.original = module.forward
@@ -340,6 +341,17 @@ class RegionForward:
         self.dtensor_region = dtensor_region
         self.gather_input = gather_input
         self.slice_output = slice_output
+        self.keep_heads = keep_heads  # holds a per-head embedding (``embedding_colwise``): see :meth:`_leaving`
+
+    def _leaving(self, out: Any, passed: set[int]) -> Callable[[Any], Any]:
+        """How each output leaves: full, except a later output that is one of the caller's own DTensors
+        (it leaves as it came) or, with ``keep_heads``, a bias split along the heads (T5's position bias
+        from its split embedding: every later region reads it on its own heads, and nothing between
+        them computes with it). Attention probabilities a caller asked for leave full."""
+        later = out[1:] if isinstance(out, tuple) else ()
+        kept = {id(v) for v in later if isinstance(v, DTensor) and (id(v) in passed or (
+            self.keep_heads and v.ndim == 4 and tuple(v.placements) == (Shard(1),) and not head_split_probabilities(v)))}
+        return lambda v: v if id(v) in kept else full_value(v)
 
     def _region_input(self, x: Tensor) -> Tensor:
         """The hidden states as ONE replicated DTensor for the whole region (sequence gathered first
@@ -403,6 +415,7 @@ class RegionForward:
         return out
 
     def _run(self, args: tuple, kwargs: dict, stream: bool) -> Any:
+        passed = {id(a) for a in (*args, *kwargs.values()) if isinstance(a, DTensor)}
         if self.dtensor_region:
             args, kwargs = self._region_inputs(args, kwargs)
         elif self.gather_input:
@@ -416,14 +429,16 @@ class RegionForward:
             out = drop_unrequested_weights(out)
             if self.gather_input:  # the hidden states leave as this rank's slice of the sequence
                 out = _first_tensor_out(out, sequence_slice)
-            out = _later_outputs(out, full_value) if stream else tree_map(full_value, out)
+            leave = self._leaving(out, passed)
+            out = _later_outputs(out, leave) if stream else tree_map(leave, out)
         if self.slice_output:
             out = _first_tensor_out(out, lambda y: slice_sequence(y, self.mesh))
         return tree_map(settled, out)
 
 
 def install_region(
-    module: nn.Module, mesh: DeviceMesh, *, dtensor_region: bool, gather_input: bool = False, slice_output: bool = False
+    module: nn.Module, mesh: DeviceMesh, *, dtensor_region: bool, gather_input: bool = False, slice_output: bool = False,
+    keep_heads: bool = False,
 ) -> None:
     """Route ``module``'s forward through :class:`RegionForward` (parameters and FQNs untouched)."""
     if isinstance(module.__dict__.get("forward"), RegionForward):
@@ -432,7 +447,8 @@ def install_region(
             "this module is already tensor-parallel", "apply tensor parallelism once per model",
         )
     module.forward = RegionForward(  # type: ignore[method-assign]
-        module, mesh, dtensor_region=dtensor_region, gather_input=gather_input, slice_output=slice_output
+        module, mesh, dtensor_region=dtensor_region, gather_input=gather_input, slice_output=slice_output,
+        keep_heads=keep_heads,
     )
 
 

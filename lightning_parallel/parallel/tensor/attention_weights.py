@@ -106,7 +106,7 @@ def mark_probabilities(func: Callable[..., Any], args: tuple, out: Any) -> None:
         _PROBABILITIES[out] = True
 
 
-def _head_split_probabilities(value: Any) -> bool:
+def head_split_probabilities(value: Any) -> bool:
     return (
         isinstance(value, DTensor) and value.ndim == 4 and value in _PROBABILITIES
         and any(isinstance(p, Shard) and p.dim == 1 for p in value.placements)
@@ -116,11 +116,11 @@ def _head_split_probabilities(value: Any) -> bool:
 def drop_unrequested_weights(out: Any) -> Any:
     """``out`` with its later head-split attention probabilities replaced by ``None`` when attentions
     are not returned."""
-    if not isinstance(out, tuple) or len(out) < 2 or not any(_head_split_probabilities(v) for v in out[1:]):
+    if not isinstance(out, tuple) or len(out) < 2 or not any(head_split_probabilities(v) for v in out[1:]):
         return out
     if not _unrequested():
         return out
-    return (out[0], *(None if _head_split_probabilities(v) else v for v in out[1:]))
+    return (out[0], *(None if head_split_probabilities(v) else v for v in out[1:]))
 
 
-__all__ = ["drop_unrequested_weights", "mark_probabilities", "track_requested_attentions"]
+__all__ = ["drop_unrequested_weights", "head_split_probabilities", "mark_probabilities", "track_requested_attentions"]

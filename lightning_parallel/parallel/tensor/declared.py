@@ -19,6 +19,7 @@ from lightning_parallel.parallel.tensor.fused import is_linear_like
 from lightning_parallel.parallel.tensor.styles import (
     COLWISE,
     COLWISE_GATHER,
+    EMBEDDING_COLWISE,
     EMBEDDING_ROWWISE,
     EXPERTS,
     PACKED_COLWISE,
@@ -79,7 +80,7 @@ def declared_plan(module: nn.Module) -> dict[str, str]:
 def _fits(style: str, mod: nn.Module) -> bool:
     if style in _LINEAR_STYLES:
         return is_linear_like(mod)
-    if style == EMBEDDING_ROWWISE:
+    if style in (EMBEDDING_ROWWISE, EMBEDDING_COLWISE):
         return isinstance(mod, nn.Embedding)
     if style == EXPERTS:
         return experts_layout(mod) is not None

@@ -1,7 +1,11 @@
 """A replicated per-head bias cut to this rank's heads once, for every layer that reads it.
 
-T5 computes its relative position bias ``(1, H, T, S)`` in the first layer's attention, returns it,
-and every later layer of the stack reads it. Under SDPA, Hugging Face turns it into each layer's
+A bias that arrives whole and needs a gradient: T5's learned position bias before its embedding was
+split with the heads (``embedding_colwise``; now it is, and the bias stays split between the
+layers), and still its all-zero bias for cross-attention, which HF marks as needing a gradient
+under gradient checkpointing, or a bias looked up from a parameter table that is not an
+``nn.Embedding``. T5 computes its relative position bias ``(1, H, T, S)`` in the first layer's
+attention, returns it, and every later layer of the stack reads it. Under SDPA, Hugging Face turns it into each layer's
 attention mask: ``bias.contiguous()``, or ``torch.where(mask, bias, min).contiguous()`` with a
 padding or causal mask (``create_position_bias_mask``). The bias is replicated (its embedding is
 small and stays whole) and the attention is split along the heads, so each layer's mask was cut

@@ -39,6 +39,7 @@ from lightning_parallel.parallel.tensor.infer import Structure, analyse, head_co
 from lightning_parallel.parallel.tensor.styles import (
     COLWISE,
     COLWISE_GATHER,
+    EMBEDDING_COLWISE,
     EMBEDDING_ROWWISE,
     EXPERTS,
     REPLICATE,
@@ -125,6 +126,8 @@ def _divisibility(module: nn.Module, name: str, style: str, tp: int, packed: dic
         return [("in_features", features(mod)[0])]
     if style == EMBEDDING_ROWWISE:
         return [("vocabulary size (num_embeddings)", mod.num_embeddings)]
+    if style == EMBEDDING_COLWISE:
+        return [("embedding width (embedding_dim)", mod.embedding_dim)]
     if style == EXPERTS:
         layout = experts_layout(mod)
         return [("expert intermediate size", layout[2])] if layout else []
@@ -221,6 +224,7 @@ def inferred_styles(structure: Structure) -> dict[str, str]:
     if structure.vocab_embedding is not None:
         kinds[structure.vocab_embedding] = EMBEDDING_ROWWISE
     kinds.update({h: COLWISE_GATHER for h in structure.lm_heads})
+    kinds.update({e: EMBEDDING_COLWISE for e in structure.head_embeddings})
     kinds.update({e: EXPERTS for e in structure.experts})
     # In group order (layer by layer, q/k/v before o), which is the order the table prints.
     return {m: kinds[m] for members in structure.groups.values() for m in members if m in kinds}

@@ -14,6 +14,7 @@ from lightning_parallel.parallel.tensor.styles import (
     _ROW_STYLES,
     COLWISE,
     COLWISE_GATHER,
+    EMBEDDING_COLWISE,
     EMBEDDING_ROWWISE,
     EXPERTS,
     REPLICATE,
@@ -28,6 +29,8 @@ def sharded_dims(style: str, param_name: str) -> int | None:
     module (None: replicated). For any module type use :func:`param_shard`."""
     if style in (COLWISE, COLWISE_GATHER, EMBEDDING_ROWWISE):
         return 0
+    if style == EMBEDDING_COLWISE:
+        return 1 if param_name == "weight" else None
     if style in _ROW_STYLES:
         return 1 if param_name == "weight" else None
     if style == EXPERTS:

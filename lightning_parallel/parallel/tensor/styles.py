@@ -12,15 +12,17 @@ COLWISE = "colwise"
 ROWWISE = "rowwise"
 COLWISE_GATHER = "colwise_gather_output"
 EMBEDDING_ROWWISE = "embedding_rowwise"
+# An embedding split along its width (weight dim 1): one column per attention head inside a region.
+EMBEDDING_COLWISE = "embedding_colwise"
 ROWWISE_SPLIT_INPUT = "rowwise_split_input"
 PACKED_COLWISE = "packed_colwise"
 EXPERTS = "moe_tp_experts"
 SEQUENCE_PARALLEL = "sequence_parallel"
 REPLICATE = "replicate"
-STYLES = (COLWISE, ROWWISE, COLWISE_GATHER, EMBEDDING_ROWWISE, ROWWISE_SPLIT_INPUT, PACKED_COLWISE, EXPERTS,
-          SEQUENCE_PARALLEL, REPLICATE)
+STYLES = (COLWISE, ROWWISE, COLWISE_GATHER, EMBEDDING_ROWWISE, EMBEDDING_COLWISE, ROWWISE_SPLIT_INPUT, PACKED_COLWISE,
+          EXPERTS, SEQUENCE_PARALLEL, REPLICATE)
 # What a plan stores per module (``packed_colwise`` is stored as ``colwise`` plus ``plan.packed``).
-SHARDING_STYLES = (COLWISE, ROWWISE, COLWISE_GATHER, EMBEDDING_ROWWISE, ROWWISE_SPLIT_INPUT, EXPERTS)
+SHARDING_STYLES = (COLWISE, ROWWISE, COLWISE_GATHER, EMBEDDING_ROWWISE, EMBEDDING_COLWISE, ROWWISE_SPLIT_INPUT, EXPERTS)
 STYLE_ALIASES = {
     # Hugging Face names (transformers 5 ``base_model_tp_plan`` values and older ones). Their
     # "local_*" variants leave shapes to the model code; here every sharded layer keeps global
@@ -40,7 +42,7 @@ STYLE_ALIASES = {
 }
 # Hugging Face styles with no counterpart here (transformers 5): the modules they name fall back
 # to the inferred plan, with a note in the plan's warnings.
-UNSUPPORTED_HF_STYLES = ("embedding_colwise", "mla_kv_a_proj", "all_reduce", "moe_identity_expert", "local_params",
+UNSUPPORTED_HF_STYLES = ("mla_kv_a_proj", "all_reduce", "moe_identity_expert", "local_params",
                          "packed_rowwise")
 _LINEAR_STYLES = (COLWISE, ROWWISE, COLWISE_GATHER, ROWWISE_SPLIT_INPUT, PACKED_COLWISE)
 _COLUMN_STYLES = (COLWISE, COLWISE_GATHER)

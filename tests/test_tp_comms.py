@@ -154,7 +154,10 @@ def test_packed_projections_and_experts_reduce_once() -> None:
     backward reduction per distinct tensor the column-parallel layers read. Bloom's ALiBi scores
     (``baddbmm`` on heads merged into the batch) run on each rank's heads, eager and traced, and
     Bloom's and MPT's eager attention weights are not gathered when the model does not return them
-    (each cost one all-gather per layer, three for Bloom's ``baddbmm``)."""
+    (each cost one all-gather per layer, three for Bloom's ``baddbmm``). GPT-OSS: experts with biases,
+    transposed, gate and up interleaved, split over tp (its down-projection bias counted on one rank);
+    its attention sinks split with the heads (``head_parameters``; whole, the ``cat`` with the split
+    scores gathered them); the probabilities it returns, a slice of the softmax, not gathered."""
     from lightning_parallel.coverage import MODELS
 
     def spec(name: str, layout: str) -> Any:
@@ -164,8 +167,8 @@ def test_packed_projections_and_experts_reduce_once() -> None:
                                    callbacks=[("lightning_parallel.testing.comm_counts:CommCounter", {"model": name, "layout": layout})])
 
     cases = [("gpt2", "tp2"), ("mixtral", "tp2"), ("qwen2_moe", "tp2"), ("bart", "tp2"), ("gptj", "tp2"), ("bloom", "tp2"),
-             ("mpt", "tp2")]
-    staged = [("gpt2", "tp2 x pp2"), ("bloom", "tp2 x pp2")]
+             ("mpt", "tp2"), ("gpt_oss", "tp2")]
+    staged = [("gpt2", "tp2 x pp2"), ("bloom", "tp2 x pp2"), ("gpt_oss", "tp2 x pp2")]
     results = [run_distributed(_stage_counts, 2, [spec(n, l) for n, l in cases], init_backend=None, timeout=400),
                run_distributed(_stage_counts, 4, [spec(n, l) for n, l in staged], init_backend=None, timeout=400)]
     for rank_results, names in zip(results, (cases, staged), strict=True):

@@ -1,7 +1,7 @@
 """Transformers families outside the original coverage matrix, chosen to span the layouts that
 name-based tensor-parallel plans got wrong (issue 26): encoder-only, encoder-decoder, multi-query
 and grouped attention with fused per-group-interleaved projections, parallel attention + MLP
-blocks, ALiBi, MLA with shared experts and routing biases, and a non-attention mixer.
+blocks, ALiBi, MLA with shared experts and routing biases, experts with biases, and a non-attention mixer.
 
 Each entry is ``(ConfigClass/ModelClass, loss, config)`` for
 :class:`~lightning_parallel.testing.real_models.HFCausalLM` (``loss="labels"`` where the model
@@ -56,6 +56,11 @@ MORE_FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
         **_LM, "intermediate_size": 64, "num_key_value_heads": 4, "moe_intermediate_size": 16, "n_routed_experts": 4,
         "num_experts_per_tok": 2, "n_shared_experts": 1, "q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 4,
         "qk_nope_head_dim": 4, "v_head_dim": 8, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
+        "attention_dropout": 0.0}),
+    # MoE experts with biases, gate and up interleaved, transposed weights; attention sinks, sliding window.
+    "gpt_oss": ("GptOssConfig/GptOssForCausalLM", "logits", {
+        **_LM, "intermediate_size": 32, "num_key_value_heads": 2, "head_dim": 8, "num_local_experts": 4,
+        "num_experts_per_tok": 2, "sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"],
         "attention_dropout": 0.0}),
     "mamba": ("MambaConfig/MambaForCausalLM", "logits", {  # a state-space mixer, no attention
         **_V, "hidden_size": 32, "num_hidden_layers": 2, "state_size": 4}),

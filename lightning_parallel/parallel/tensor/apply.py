@@ -69,6 +69,7 @@ from lightning_parallel.parallel.tensor.attention import (
 from lightning_parallel.parallel.tensor.attention_weights import track_requested_attentions
 from lightning_parallel.parallel.tensor.experts import apply_experts_tensor_parallel
 from lightning_parallel.parallel.tensor.fused import Conv1DRowwiseParallel, FusedColwiseParallel, is_conv1d
+from lightning_parallel.parallel.tensor.head_bias import HeadParameters
 from lightning_parallel.parallel.tensor.loss import install_sharded_head
 from lightning_parallel.parallel.tensor.plan import TensorParallelPlan
 from lightning_parallel.parallel.tensor.sequence_stacks import (
@@ -80,7 +81,7 @@ from lightning_parallel.parallel.tensor.sequence_stacks import (
     stack_span,
 )
 from lightning_parallel.parallel.tensor.styles import (
-    COLWISE, COLWISE_GATHER, EMBEDDING_COLWISE, EMBEDDING_ROWWISE, EXPERTS, ROWWISE, ROWWISE_SPLIT_INPUT,
+    COLWISE, COLWISE_GATHER, EMBEDDING_COLWISE, EMBEDDING_ROWWISE, EXPERTS, HEAD_PARAMETERS, ROWWISE, ROWWISE_SPLIT_INPUT,
 )
 
 
@@ -234,6 +235,8 @@ def _styles(
                                      use_local_output=False)
             else:
                 out[name] = _colwise(mod, packed, plan.packed_biases_split, input_layouts=inputs, output_layouts=Replicate())
+        elif style == HEAD_PARAMETERS:
+            out[name] = HeadParameters()
         elif style == EMBEDDING_COLWISE:  # one column per head: the lookup stays split in its region
             out[name] = ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1) if in_region else Replicate(),
                                         use_local_output=not in_region)
@@ -295,7 +298,7 @@ def apply_tensor_parallel(
         for mod_name, local in group:
             setattr(module.get_submodule(mod_name), local, shared)
     for name in styles:  # outside regions (which settle their own outputs): plain tensors, not pending collectives
-        if not inside(_parent(name), set(plan.regions)):
+        if not inside(name, set(plan.regions)):
             module.get_submodule(name).register_forward_hook(settle_output_hook)
     for param in {id(p): p for p in module.parameters()}.values():
         if isinstance(param, DTensor) and param.requires_grad:

@@ -13,7 +13,7 @@ weights: a forward pre-hook on every ``PreTrainedModel`` resolves ``output_atten
 argument, else the enclosing model's, else ``config.output_attentions``, as transformers does) and,
 while that forward runs and the flag is false, a region returns ``None`` in place of each later
 output that *is* attention probabilities: the result of a softmax computed in the region, through
-dtype casts and dropout (:func:`mark_probabilities`, called by the region's dispatch mode), and
+dtype casts, dropout and indexing (:func:`mark_probabilities`, called by the region's dispatch mode), and
 still split along the heads. Nothing else is dropped: T5's attention also returns its position
 bias, which the next layers read. With the flag true, or outside a Hugging Face model's forward,
 every output is gathered as before. A region rerun inside the backward (activation-checkpoint
@@ -90,9 +90,10 @@ def _unrequested() -> bool:
 
 
 _SOFTMAX: frozenset[Callable[..., Any]] = frozenset({F.softmax, torch.softmax, Tensor.softmax})
-# Calls that keep attention probabilities what they are: dtype casts, copies, dropout.
+# Calls that keep attention probabilities what they are: dtype casts, copies, dropout, and indexing (GPT-OSS
+# returns ``probs[..., :-1]``, its probabilities less the attention sinks' column).
 _KEEPS = frozenset({Tensor.to, Tensor.type_as, Tensor.float, Tensor.half, Tensor.bfloat16, Tensor.contiguous,
-                    F.dropout, torch.dropout, Tensor.clone, Tensor.view_as})
+                    F.dropout, torch.dropout, Tensor.clone, Tensor.view_as, Tensor.__getitem__})
 _TRACKED = _SOFTMAX | _KEEPS
 _PROBABILITIES: WeakIdKeyDictionary = WeakIdKeyDictionary()  # by identity: a tensor's == is elementwise
 

@@ -79,12 +79,10 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        try:
+        # Before the fake kernel, which refuses fp32 and has torch log each refusal at error level.
+        out = _grouped_mm_shape(func, args)
+        if out is None:
             out = func(*args, **kwargs)
-        except RuntimeError:
-            out = _grouped_mm_shape(func, args)
-            if out is None:
-                raise
         if not self.inside_linear:
             flat, _ = tree_flatten(out)
             inputs, _ = tree_flatten((args, kwargs))

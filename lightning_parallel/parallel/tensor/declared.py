@@ -22,6 +22,7 @@ from lightning_parallel.parallel.tensor.styles import (
     EMBEDDING_COLWISE,
     EMBEDDING_ROWWISE,
     EXPERTS,
+    HEAD_PARAMETERS,
     PACKED_COLWISE,
     REPLICATE,
     ROWWISE,
@@ -82,6 +83,8 @@ def _fits(style: str, mod: nn.Module) -> bool:
         return is_linear_like(mod)
     if style in (EMBEDDING_ROWWISE, EMBEDDING_COLWISE):
         return isinstance(mod, nn.Embedding)
+    if style == HEAD_PARAMETERS:
+        return any(True for _ in mod.parameters(recurse=False))
     if style == EXPERTS:
         return experts_layout(mod) is not None
     return style in (SEQUENCE_PARALLEL, REPLICATE)

@@ -28,23 +28,31 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, distribute_tensor
 
-from lightning_parallel.compat import StridedShard
 from lightning_parallel.parallel.errors import config_error
+from lightning_parallel.parallel.tensor.fused import shard_placement
 from lightning_parallel.parallel.tensor.region_inputs import is_replicated
 
 
+_PARAMS = frozenset({"gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"})
+
+
 def experts_layout(module: nn.Module) -> tuple[int, int, int] | None:
-    """(experts E, hidden H, intermediate I) of a Hugging Face experts module in the layout above, else None."""
+    """(experts E, hidden H, intermediate I) of a Hugging Face experts module, else None: the layout
+    above, or transposed (``is_transposed``: ``gate_up_proj`` ``(E, H, 2*I)``, ``down_proj`` ``(E, I, H)``,
+    GPT-OSS), each optionally with biases ``gate_up_proj_bias`` ``(E, 2*I)`` and ``down_proj_bias`` ``(E, H)``."""
     params = dict(module.named_parameters(recurse=False))
     gate_up, down = params.get("gate_up_proj"), params.get("down_proj")
-    if set(params) != {"gate_up_proj", "down_proj"} or gate_up is None or down is None:
+    if gate_up is None or down is None or set(params) - _PARAMS or gate_up.ndim != 3 or down.ndim != 3:
         return None
-    if gate_up.ndim != 3 or down.ndim != 3 or getattr(module, "is_transposed", False):
+    transposed = bool(getattr(module, "is_transposed", False))
+    e, a, b = gate_up.shape
+    h, two_i = (a, b) if transposed else (b, a)
+    if two_i % 2 or tuple(down.shape) != ((e, two_i // 2, h) if transposed else (e, h, two_i // 2)):
         return None
-    e, two_i, h = gate_up.shape
-    if two_i % 2 or tuple(down.shape) != (e, h, two_i // 2):
+    biases = {"gate_up_proj_bias": (e, two_i), "down_proj_bias": (e, h)}
+    if any(name in params and tuple(params[name].shape) != shape for name, shape in biases.items()):
         return None
     return e, h, two_i // 2
 
@@ -56,13 +64,26 @@ def experts_reason(module: nn.Module) -> str | None:
     names = [f"{n}{tuple(p.shape)}" for n, p in module.named_parameters(recurse=False)]
     return (
         f"experts parameters {names} are not the (E, 2*I, H) gate_up_proj + (E, H, I) down_proj layout "
-        "this tensor-parallel split knows"
+        "(or its transpose, with or without biases) this tensor-parallel split knows"
     )
 
 
-def expert_placements() -> dict[str, Placement]:
-    """Parameter name -> placement on the tensor-parallel mesh (see the module doc)."""
-    return {"gate_up_proj": StridedShard(1, split_factor=2), "down_proj": Shard(2)}
+def expert_shards(module: nn.Module) -> dict[str, tuple[int, int] | None]:
+    """Parameter name -> (dim, split factor) it is split along, or None (whole), for an experts module.
+
+    ``[gate | up]`` concatenated (``is_concatenated``, HF's default) is split per part (factor 2);
+    gate and up interleaved column by column (GPT-OSS: ``gate_up[..., ::2]``) need a plain split, which
+    keeps each pair on one rank. ``down_proj_bias`` is added after the split contraction: whole, and
+    counted on one rank only (:meth:`ExpertsForward._run_local`)."""
+    transposed = bool(getattr(module, "is_transposed", False))
+    factor = 2 if getattr(module, "is_concatenated", True) else 1
+    return {"gate_up_proj": (2 if transposed else 1, factor), "gate_up_proj_bias": (1, factor),
+            "down_proj": (1 if transposed else 2, 1), "down_proj_bias": None}
+
+
+def expert_placements(module: nn.Module) -> dict[str, Placement]:
+    """Parameter name -> placement on the tensor-parallel mesh (see :func:`expert_shards`)."""
+    return {name: Replicate() if shard is None else shard_placement(*shard) for name, shard in expert_shards(module).items()}
 
 
 def _sum_partials(grads: list[Tensor], mesh: DeviceMesh) -> list[Tensor]:
@@ -125,10 +146,15 @@ class ExpertsForward:
         """
         module = self.module
         saved = {n: p for n, p in module._parameters.items() if isinstance(p, DTensor)}
+        whole = {name for name, shard in expert_shards(module).items() if shard is None}
+        first = self.mesh.get_local_rank() == 0
         try:
             for name, param in saved.items():
+                local = param.to_local()
+                if name in whole and not first:  # added once to the partial sums: zero here, same gradient
+                    local = local - local.detach()
                 del module._parameters[name]
-                object.__setattr__(module, name, param.to_local())  # an attribute, not a parameter
+                object.__setattr__(module, name, local)  # an attribute, not a parameter
             return self.original(module, *args, **kwargs)
         finally:
             for name, param in saved.items():
@@ -155,7 +181,7 @@ class ExpertsForward:
 
 def apply_experts_tensor_parallel(module: nn.Module, mesh: DeviceMesh) -> None:
     """Split ``module`` (a Hugging Face experts module, see :func:`experts_layout`) over ``mesh`` in place."""
-    placements = expert_placements()
+    placements = expert_placements(module)
     for name, param in list(module.named_parameters(recurse=False)):
         module.register_parameter(name, nn.Parameter(
             distribute_tensor(param, mesh, [placements[name]]), requires_grad=param.requires_grad,
@@ -163,4 +189,4 @@ def apply_experts_tensor_parallel(module: nn.Module, mesh: DeviceMesh) -> None:
     module.forward = ExpertsForward(module, mesh)  # type: ignore[method-assign]
 
 
-__all__ = ["ExpertsForward", "apply_experts_tensor_parallel", "expert_placements", "experts_layout", "experts_reason"]
+__all__ = ["ExpertsForward", "apply_experts_tensor_parallel", "expert_placements", "expert_shards", "experts_layout", "experts_reason"]

@@ -26,9 +26,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ParallelStyle
 from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_parallel.compat import tensor_version
@@ -90,4 +91,20 @@ def derived_cut(mask: Tensor, mesh: DeviceMesh, dim: int) -> Tensor | None:
     return torch.where(local(cond), head_cut(bias, mesh, dim), local(other))
 
 
-__all__ = ["derived_cut", "head_cut", "note_derived"]
+class HeadParameters(ParallelStyle):
+    """The ``head_parameters`` style: a module's own parameters, each one row per attention head
+    (GPT-OSS's attention sinks, ``(H,)``), split along dim 0 as the heads are (``Shard(0)``).
+
+    Inside the region the sinks meet the head-split scores (``reshape(1, -1, 1, 1)``, ``expand``,
+    ``cat`` along the keys) in DTensor's semantics on the rank's own heads; kept whole they were
+    sliced there and their gradient gathered back, and the ``cat`` of split scores with whole sinks
+    gathered the scores."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name, param in list(module.named_parameters(recurse=False)):
+            module.register_parameter(name, nn.Parameter(distribute_tensor(param, device_mesh, [Shard(0)]),
+                                                         requires_grad=param.requires_grad))
+        return module
+
+
+__all__ = ["HeadParameters", "derived_cut", "head_cut", "note_derived"]

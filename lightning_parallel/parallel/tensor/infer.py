@@ -89,6 +89,8 @@ class Structure:
     experts: list[str] = field(default_factory=list)
     # Embeddings one column per attention head (T5's relative position bias): split with the heads.
     head_embeddings: list[str] = field(default_factory=list)
+    # Attention modules whose own parameters are one row per head (GPT-OSS's sinks): split with the heads.
+    head_parameters: list[str] = field(default_factory=list)
     # Row-parallel linear -> the module whose forward sees its pair's split tensors (its parent
     # where names decided; the members' smallest common module where the dataflow did).
     region_of: dict[str, str] = field(default_factory=dict)
@@ -370,27 +372,34 @@ def analyse(module: nn.Module, tp_size: int = 2) -> Structure:
     st.norms = tuple(norms)
     if tp_size > 1:
         _apply_dataflow(module, st, tp_size)
-    _head_embeddings(module, st)
+    _per_head_parts(module, st)
     return st
 
 
-def _head_embeddings(module: nn.Module, st: Structure) -> None:
-    """An embedding inside an attention region whose width is that region's head count (T5's relative
-    position bias: one learned value per head and distance bucket) joins the region's group, split
-    along that width as the heads are (``embedding_colwise``), or kept whole with them.
+def _per_head_parts(module: nn.Module, st: Structure) -> None:
+    """Parameters of an attention region laid out one per head join the region's group, split along
+    the heads as its projections are, or kept whole with them: an embedding inside the region as wide
+    as its head count (T5's relative position bias: a value per head and distance bucket,
+    ``embedding_colwise``), and the region module's own parameters when each has the head count as
+    its leading dim (GPT-OSS's attention sinks, ``head_parameters``).
 
-    Why: kept whole, the bias was cut to each rank's heads where the attention read it and its
-    gradient gathered back (T5: 1.19x, then 1.10x the Megatron minimum with one gather per stack).
-    Split, each rank looks up its own heads' columns, and their gradient stays on the rank."""
+    Why: kept whole, each was cut to the rank's heads where the attention read it and its gradient
+    gathered back (T5: 1.19x, then 1.10x the Megatron minimum with one gather per stack; GPT-OSS's
+    sinks, concatenated to the split scores, gathered forward and backward: 1.36x). Split, each rank
+    uses its own heads' rows, and their gradients stay on the rank."""
     taken = {st.vocab_embedding, *st.stream_embeddings}
-    for name, emb in module.named_modules():
-        if not isinstance(emb, nn.Embedding) or name in taken:
-            continue
-        for members in st.groups.values():
-            regions = {st.region_of.get(m) for m in members} - {None}
-            region = next((r for r in regions if name.startswith(f"{r}.")), None)
-            if region is not None and head_counts(module.get_submodule(region))[0] == emb.embedding_dim:
-                members.append(name)
-                st.head_embeddings.append(name)
-                st.roles.pop(name, None)
-                break
+    for members in st.groups.values():
+        for region in sorted({st.region_of.get(m) for m in members} - {None, ""}):
+            heads = head_counts(module.get_submodule(region))[0]
+            if heads is None:
+                continue
+            own = list(module.get_submodule(region).parameters(recurse=False))
+            found = [(region, st.head_parameters)] if own and all(p.ndim >= 1 and p.shape[0] == heads for p in own) else []
+            found += [(name, st.head_embeddings) for name, emb in module.get_submodule(region).named_modules(prefix=region)
+                      if isinstance(emb, nn.Embedding) and name not in taken and emb.embedding_dim == heads]
+            for name, kind in found:
+                if name not in taken:
+                    taken.add(name)
+                    members.append(name)
+                    kind.append(name)
+                    st.roles.pop(name, None)

@@ -41,6 +41,7 @@ from lightning_parallel.parallel.tensor.styles import (
     COLWISE_GATHER,
     EMBEDDING_COLWISE,
     EMBEDDING_ROWWISE,
+    HEAD_PARAMETERS,
     EXPERTS,
     REPLICATE,
     ROWWISE,
@@ -128,6 +129,8 @@ def _divisibility(module: nn.Module, name: str, style: str, tp: int, packed: dic
         return [("vocabulary size (num_embeddings)", mod.num_embeddings)]
     if style == EMBEDDING_COLWISE:
         return [("embedding width (embedding_dim)", mod.embedding_dim)]
+    if style == HEAD_PARAMETERS:
+        return [(f"leading dim of `{n}` (heads)", p.shape[0]) for n, p in mod.named_parameters(recurse=False)]
     if style == EXPERTS:
         layout = experts_layout(mod)
         return [("expert intermediate size", layout[2])] if layout else []
@@ -225,6 +228,7 @@ def inferred_styles(structure: Structure) -> dict[str, str]:
         kinds[structure.vocab_embedding] = EMBEDDING_ROWWISE
     kinds.update({h: COLWISE_GATHER for h in structure.lm_heads})
     kinds.update({e: EMBEDDING_COLWISE for e in structure.head_embeddings})
+    kinds.update({m: HEAD_PARAMETERS for m in structure.head_parameters})
     kinds.update({e: EXPERTS for e in structure.experts})
     # In group order (layer by layer, q/k/v before o), which is the order the table prints.
     return {m: kinds[m] for members in structure.groups.values() for m in members if m in kinds}

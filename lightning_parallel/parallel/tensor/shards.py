@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
+from lightning_parallel.parallel.tensor.experts import expert_shards
 from lightning_parallel.parallel.tensor.fused import colwise_dims, is_conv1d, rowwise_dims
 from lightning_parallel.parallel.tensor.styles import (
     _COLUMN_STYLES,
@@ -17,6 +18,7 @@ from lightning_parallel.parallel.tensor.styles import (
     EMBEDDING_COLWISE,
     EMBEDDING_ROWWISE,
     EXPERTS,
+    HEAD_PARAMETERS,
     REPLICATE,
 )
 
@@ -31,6 +33,8 @@ def sharded_dims(style: str, param_name: str) -> int | None:
         return 0
     if style == EMBEDDING_COLWISE:
         return 1 if param_name == "weight" else None
+    if style == HEAD_PARAMETERS:
+        return 0
     if style in _ROW_STYLES:
         return 1 if param_name == "weight" else None
     if style == EXPERTS:
@@ -56,11 +60,11 @@ def param_shard(plan_styles: dict[str, str], packed: dict[str, int], module: nn.
     if style in _ROW_STYLES and is_conv1d(module):
         dim = rowwise_dims(module).get(param_name)
         return None if dim is None else (dim, 1)
+    if style == EXPERTS:
+        return expert_shards(module).get(param_name)
     dim = sharded_dims(style, param_name)
     if dim is None:
         return None
-    if style == EXPERTS:
-        return dim, 2 if param_name == "gate_up_proj" else 1
     return dim, packed.get(mod_name, 1) if style in _COLUMN_STYLES else 1
 
 

@@ -14,15 +14,18 @@ COLWISE_GATHER = "colwise_gather_output"
 EMBEDDING_ROWWISE = "embedding_rowwise"
 # An embedding split along its width (weight dim 1): one column per attention head inside a region.
 EMBEDDING_COLWISE = "embedding_colwise"
+# A module's own parameters, one row per attention head (GPT-OSS's attention sinks): split with the heads.
+HEAD_PARAMETERS = "head_parameters"
 ROWWISE_SPLIT_INPUT = "rowwise_split_input"
 PACKED_COLWISE = "packed_colwise"
 EXPERTS = "moe_tp_experts"
 SEQUENCE_PARALLEL = "sequence_parallel"
 REPLICATE = "replicate"
-STYLES = (COLWISE, ROWWISE, COLWISE_GATHER, EMBEDDING_ROWWISE, EMBEDDING_COLWISE, ROWWISE_SPLIT_INPUT, PACKED_COLWISE,
-          EXPERTS, SEQUENCE_PARALLEL, REPLICATE)
+STYLES = (COLWISE, ROWWISE, COLWISE_GATHER, EMBEDDING_ROWWISE, EMBEDDING_COLWISE, HEAD_PARAMETERS, ROWWISE_SPLIT_INPUT,
+          PACKED_COLWISE, EXPERTS, SEQUENCE_PARALLEL, REPLICATE)
 # What a plan stores per module (``packed_colwise`` is stored as ``colwise`` plus ``plan.packed``).
-SHARDING_STYLES = (COLWISE, ROWWISE, COLWISE_GATHER, EMBEDDING_ROWWISE, EMBEDDING_COLWISE, ROWWISE_SPLIT_INPUT, EXPERTS)
+SHARDING_STYLES = (COLWISE, ROWWISE, COLWISE_GATHER, EMBEDDING_ROWWISE, EMBEDDING_COLWISE, HEAD_PARAMETERS, ROWWISE_SPLIT_INPUT,
+                   EXPERTS)
 STYLE_ALIASES = {
     # Hugging Face names (transformers 5 ``base_model_tp_plan`` values and older ones). Their
     # "local_*" variants leave shapes to the model code; here every sharded layer keeps global

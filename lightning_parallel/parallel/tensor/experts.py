@@ -19,6 +19,10 @@ DTensors with full-model semantics, so ``state_dict``, clipping and checkpoints 
 global tensors.
 
 The router stays replicated (it is small and its top-k must agree on every rank).
+
+GPT-OSS stores its experts transposed (``is_transposed``), gate and up interleaved column by
+column (``is_concatenated=False``), with a bias on each projection (:func:`expert_shards` says how
+each is split; its down-projection bias is added once, on the first tp rank).
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
-"""A replicated per-head bias cut to this rank's heads once, for every layer that reads it.
+"""Per-head biases and parameters: a whole bias cut to this rank's heads once for every layer that
+reads it, and a module's own per-head parameters split with the heads (:class:`HeadParameters`).
 
-A bias that arrives whole and needs a gradient: T5's learned position bias before its embedding was
-split with the heads (``embedding_colwise``; now it is, and the bias stays split between the
-layers), and still its all-zero bias for cross-attention, which HF marks as needing a gradient
-under gradient checkpointing, or a bias looked up from a parameter table that is not an
-``nn.Embedding``. T5 computes its relative position bias ``(1, H, T, S)`` in the first layer's
-attention, returns it, and every later layer of the stack reads it. Under SDPA, Hugging Face turns it into each layer's
+A bias arrives whole with a gradient where nothing made it split: T5's all-zero cross-attention
+bias, which HF marks as needing a gradient under gradient checkpointing, or a bias looked up from a
+parameter table that is not an ``nn.Embedding``. T5's learned position bias was one until its
+embedding was split with the heads (``embedding_colwise``); the story below is how it was measured.
+T5 computes its relative position bias ``(1, H, T, S)`` in the first layer's attention, returns it,
+and every later layer of the stack reads it. Under SDPA, Hugging Face turns it into each layer's
 attention mask: ``bias.contiguous()``, or ``torch.where(mask, bias, min).contiguous()`` with a
 padding or causal mask (``create_position_bias_mask``). The bias is replicated (its embedding is
 small and stays whole) and the attention is split along the heads, so each layer's mask was cut

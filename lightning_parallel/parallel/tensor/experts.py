@@ -170,7 +170,9 @@ class ExpertsForward:
         keys = list(kwargs)
         # Inside a region (an MoE layer run on the gathered sequence under sequence parallelism) the
         # inputs are replicated DTensors: the experts' loop runs on their local (whole) values.
-        values = [v.to_local() if isinstance(v, DTensor) and is_replicated(v) else v for v in (*args, *(kwargs[k] for k in keys))]
+        given = (*args, *(kwargs[k] for k in keys))
+        in_region = any(isinstance(v, DTensor) for v in given)
+        values = [v.to_local() if isinstance(v, DTensor) and is_replicated(v) else v for v in given]
         values = _sum_grads(values, mesh)
         args, kwargs = tuple(values[: len(args)]), dict(zip(keys, values[len(args):], strict=True))
         out = self._run_local(args, kwargs)
@@ -180,7 +182,11 @@ class ExpertsForward:
                 f"the experts forward returned {type(out).__name__}, expected one tensor of partial outputs",
                 "keep this module replicated with tp_plan={'<name>': 'replicate'}",
             )
-        return DTensor.from_local(out, mesh, [Partial()], run_check=False).redistribute(mesh, [Replicate()]).to_local()
+        partial = DTensor.from_local(out, mesh, [Partial()], run_check=False)
+        # In a region the sum is left to the region's exit: under sequence parallelism a reduce-scatter
+        # to the rank's slice of the sequence (Megatron's), not an all-reduce of the whole; code between
+        # (a reshape) keeps it partial, anything non-linear reduces it first (DTensor's own rule).
+        return partial if in_region else partial.redistribute(mesh, [Replicate()]).to_local()
 
 
 def apply_experts_tensor_parallel(module: nn.Module, mesh: DeviceMesh) -> None:

@@ -24,9 +24,10 @@ which is what the regions, seeing the whole sequence, need. The model's code aft
 norm, pooler, LM head, losses) sees the full sequence.
 
 An MoE layer whose experts are split over tp runs as one region on the gathered sequence (the
-experts need the same tokens on every tp rank): an all-gather in, its partial outputs all-reduced
-(its tokens are flattened to ``(batch x sequence, width)``, whose sequence split no placement
-gives, so not reduce-scattered: Megatron's count, twice its bytes), its rank's slice out. Refused
+experts need the same tokens on every tp rank): an all-gather in, its experts' partial outputs
+left partial (``ExpertsForward``) and reduce-scattered to the rank's slice at the layer's exit; in
+backward their input gradients are all-reduced (Megatron reduce-scatters them: its count, twice
+those bytes). Refused
 at run time: ``output_hidden_states=True`` (the model would collect the layers' split outputs).
 """
 

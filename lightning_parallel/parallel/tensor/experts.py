@@ -140,6 +140,9 @@ class ExpertsForward:
         self.module = module
         self.original = type(module).forward
         self.mesh = mesh
+        # Parameters added after the split contraction (kept whole): counted on the first tp rank only.
+        self.whole = {name for name, shard in expert_shards(module).items() if shard is None}
+        self.first = mesh.get_local_rank() == 0
 
     def _run_local(self, args: tuple, kwargs: dict) -> Any:
         """The class's own forward with each DTensor parameter swapped for its local shard.
@@ -150,12 +153,10 @@ class ExpertsForward:
         """
         module = self.module
         saved = {n: p for n, p in module._parameters.items() if isinstance(p, DTensor)}
-        whole = {name for name, shard in expert_shards(module).items() if shard is None}
-        first = self.mesh.get_local_rank() == 0
         try:
             for name, param in saved.items():
                 local = param.to_local()
-                if name in whole and not first:  # added once to the partial sums: zero here, same gradient
+                if name in self.whole and not self.first:  # added once to the partial sums: zero here, same gradient
                     local = local - local.detach()
                 del module._parameters[name]
                 object.__setattr__(module, name, local)  # an attribute, not a parameter

@@ -30,14 +30,15 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from lightning_parallel.compat import StridedShard
+from lightning_parallel.parallel.tensor.region_inputs import is_sequence_stream
 
 _RESHAPES: frozenset[Callable[..., Any]] = frozenset({Tensor.reshape, Tensor.view, torch.reshape})
 _NORMS: frozenset[Callable[..., Any]] = frozenset({F.layer_norm, F.rms_norm})
 
 
-def is_stream(x: object) -> bool:
-    """A block stack's stream: a 3-D ``Shard(1)`` DTensor on a 1-D mesh."""
-    return isinstance(x, DTensor) and x.ndim == 3 and x.device_mesh.ndim == 1 and x.placements[0] == Shard(1)
+def _is_stream(x: object) -> bool:
+    """A block stack's stream as ``(B, T, C)`` (``region_inputs.is_sequence_stream``, 3-D)."""
+    return is_sequence_stream(x) and x.ndim == 3  # type: ignore[attr-defined]
 
 
 def is_flat_stream(x: object) -> bool:
@@ -85,7 +86,7 @@ def stream_view(func: Callable[..., Any], args: tuple, kwargs: dict) -> DTensor 
     shape = _target(x, args[1:])
     if shape is None:
         return None
-    if is_stream(x) and shape == (x.shape[0] * x.shape[1], x.shape[2]):
+    if _is_stream(x) and shape == (x.shape[0] * x.shape[1], x.shape[2]):
         return flatten_stream(x)
     if (is_flat_stream(x) and len(shape) == 3 and shape[0] == x.placements[0].split_factor
             and shape[0] * shape[1] == x.shape[0] and shape[2] == x.shape[1] and shape[1] % mesh.size() == 0):
@@ -102,7 +103,7 @@ def stream_norm(func: Callable[..., Any], args: tuple, kwargs: dict, call: Calla
     if x.shape[0] // x.placements[0].split_factor % x.device_mesh.size():
         return None
     out = call(func, (unflatten_stream(x), *args[1:]), kwargs)
-    return flatten_stream(out) if is_stream(out) else out.reshape(x.shape)
+    return flatten_stream(out) if _is_stream(out) else out.reshape(x.shape)
 
 
 class _Seen(threading.local):
@@ -136,5 +137,5 @@ def reduce_to_stream(module: nn.Module, args: Any, out: Any) -> Any:
     return out.redistribute(mesh, [Replicate()])
 
 
-__all__ = ["flatten_stream", "is_flat_stream", "is_stream", "note_column_input", "reduce_to_stream", "stream_norm",
+__all__ = ["flatten_stream", "is_flat_stream", "note_column_input", "reduce_to_stream", "stream_norm",
            "stream_view", "unflatten_stream"]

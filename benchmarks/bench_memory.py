@@ -20,7 +20,9 @@ stages in the first step, so for them the second point includes it) and after th
 * the parameters and gradients each rank holds after the last step (local storage);
 * the step time (mean after the first step), and with ``--compare-unpinned`` the same layout run
   again with glibc's dynamic mmap threshold (``parallel/allocator.py`` switched off): peak RSS and the
-  step-time ratio, pinned / dynamic.
+  step-time ratio, pinned / dynamic; with ``--compare-before`` once more without any of issue 29's
+  measures (dynamic threshold, and pipeline stages' weight gradients through autograd's temporaries
+  instead of ``parallel/pipeline/grad_accumulation.py``): the step-time ratio now / before.
 
 Per layout a second line gives the peak RSS growth per rank (the larger of set-up and training)
 in units of the whole model's parameter bytes P, beside the tensor-exact training peak and the ideal
@@ -213,6 +215,12 @@ def _worker(args: argparse.Namespace, layout: str) -> dict[str, Any]:
         import lightning_parallel.parallel.allocator as allocator
 
         allocator.pin_host_allocator = lambda *a, **k: False  # type: ignore[assignment]
+    if args.before:  # ... and autograd's weight-gradient temporaries in pipeline stages
+        import contextlib
+
+        import lightning_parallel.parallel.pipeline.runtime as pipeline_runtime
+
+        pipeline_runtime.gemm_accumulated_weight_grads = lambda enabled=True: contextlib.nullcontext()  # type: ignore[assignment]
     _reset_peak_rss()
     base_rss, base_file = _status("VmRSS"), _status("RssFile")
     step_times: list[float] = []
@@ -293,6 +301,9 @@ def main() -> None:
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
     parser.add_argument("--compare-unpinned", action="store_true",
                         help="run each layout again with glibc's dynamic mmap threshold (parallel/allocator.py off): RSS and step-time ratios")
+    parser.add_argument("--compare-before", action="store_true",
+                        help="run each layout again without issue 29's measures (dynamic threshold, autograd's weight-gradient "
+                             "temporaries in pipeline stages): RSS and the step-time ratio now / before")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     P = _model_bytes(args)
@@ -302,7 +313,7 @@ def main() -> None:
     print(f"{'layout':14} {'mesh':44} {'set-up MiB':>10} {'x share':>7} {'train MiB':>9} {'x share':>7} "
           f"{'activ. MiB':>10} {'x ideal':>7} {'params+grads MiB':>16} {'x share':>7} {'RSS set-up/train MiB':>20}")
     for layout in args.layouts.split(","):
-        args.unpinned = False
+        args.unpinned = args.before = False
         results = run_distributed(_worker, args.ranks, args, layout, init_backend=None, timeout=3000)
         share = 2 * P if layout == "ddp" else 2 * P / args.ranks  # params + grads per rank, ideally
         setup = max(r["points"]["setup"]["tracked"] for r in results)
@@ -330,6 +341,12 @@ def main() -> None:
             rss_other = max(max(r["points"]["setup"]["rss"], r["points"]["train"]["rss"]) for r in other)
             step_other = max(r["step_s"] for r in other)
             line += f"; glibc's dynamic threshold: {rss_other / P:.2f} P, step {step_other:.2f} s (pinned / dynamic step time {step / step_other:.2f})"
+        if args.compare_before:
+            args.unpinned = args.before = True
+            other = run_distributed(_worker, args.ranks, args, layout, init_backend=None, timeout=3000)
+            rss_other = max(max(r["points"]["setup"]["rss"], r["points"]["train"]["rss"]) for r in other)
+            step_other = max(r["step_s"] for r in other)
+            line += f"; before issue 29's measures: {rss_other / P:.2f} P, step {step_other:.2f} s (now / before step time {step / step_other:.2f})"
         print(line, flush=True)
     print("share = (P + grads) / ranks (ddp: P + grads, it replicates); activ. = peak bytes autograd saved for backward"
           " (parameters excluded); ideal = share + that rank's activations (the set-up keeps none: its ideal is the"

@@ -26,7 +26,10 @@ the pipeline driver calls it before ZeRO wraps the stages, a bare runtime at its
 * :func:`use_python_bindings`: calls of the operators in :data:`BINDINGS` go to the function torch's
   Python API exposes for the same operator with the same argument order (``aten.linear.default`` ->
   ``F.linear``, ``aten.view.default`` -> ``Tensor.view``, ...): the same ATen kernel,
-  autograd node and dispatch (DTensor, autocast) for less argument parsing.
+  autograd node and dispatch (DTensor, autocast) for less argument parsing. ``aten.linear`` goes to
+  :func:`~.grad_accumulation.accumulating_linear`: ``F.linear`` itself, except inside a pipeline
+  schedule's training step, where each microbatch's weight gradient is added into ``.grad`` by its
+  GEMM instead of through a temporary.
 
 Values are unchanged; the graph's semantics are the same ops in the same order.
 """
@@ -44,13 +47,14 @@ from torch.distributed.fsdp import FSDPModule
 from torch.export.unflatten import InterpreterModule
 
 from lightning_parallel.compat import global_module_hooks, module_has_hooks
+from lightning_parallel.parallel.pipeline.grad_accumulation import accumulating_linear
 
 _ATEN = torch.ops.aten
 
 #: aten overload -> the Python binding of the same operator taking the same arguments in the same
 #: order (checked by ``tests/test_pipeline_codegen.py`` against each overload's schema).
 BINDINGS: dict[Any, Callable[..., Any]] = {
-    _ATEN.linear.default: F.linear,
+    _ATEN.linear.default: accumulating_linear,  # F.linear outside a schedule's training step
     _ATEN.view.default: torch.Tensor.view,
     _ATEN.reshape.default: torch.reshape,
     _ATEN.transpose.int: torch.transpose,

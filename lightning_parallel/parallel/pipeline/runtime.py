@@ -43,6 +43,7 @@ from lightning_parallel.compat import GraphPipelineStage as _PipelineStage, sche
 from lightning_parallel.parallel.clip import total_norm
 from lightning_parallel.parallel.errors import config_error
 from lightning_parallel.parallel.pipeline.codegen import lean_stage_code
+from lightning_parallel.parallel.pipeline.grad_accumulation import gemm_accumulated_weight_grads
 from lightning_parallel.parallel.pipeline.cut_grads import resolve_cut_gradients, stage_dependencies
 from lightning_parallel.parallel.pipeline.eval_reuse import unique_modules
 from lightning_parallel.parallel.pipeline.plan import PipelinePlan
@@ -224,7 +225,10 @@ class PipelineRuntime:
         params = dict(self.module.named_parameters())
         before = {n: (None if params[n].grad is None else params[n].grad.clone()) for n in self._shared if n in self._owned}
         self._mb_losses = []
-        self._train.step(*args, target=target, return_outputs=False, **kwargs)
+        # Weight gradients accumulated inside their GEMMs (grad_accumulation.py), unless the schedule
+        # computes them in a pass of their own (zero bubble: autograd.grad on the weights).
+        with gemm_accumulated_weight_grads(not self.spec.zero_bubble):
+            self._train.step(*args, target=target, return_outputs=False, **kwargs)
         self._sum_shared_grads(params, before)
         self.last_losses = list(self._mb_losses)
         device = self.stages[0].device  # the device the group's backend serves (NCCL rejects CPU tensors)

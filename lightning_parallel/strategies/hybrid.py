@@ -114,7 +114,8 @@ class HybridParallelStrategy(LayoutMixin, StepHooksMixin, CollectivesMixin, Chec
         moe_aux_loss_coef, moe_z_loss_coef: override the MoE layers' loss coefficients (0 disables).
         hybrid_shard: HSDP, shard within ``data_parallel_size / data_parallel_replicate_size`` ranks
             and replicate across groups (``"auto"``: one group per node).
-        ddp_bucket_cap_mb: DDP gradient bucket size; smaller buckets start communicating sooner.
+        ddp_bucket_cap_mb: DDP gradient bucket size; smaller buckets start communicating sooner. Pipeline
+            stages with replicated data parallelism all-reduce their gradients in buckets of this size.
         fsdp_units: ``"block"`` (default: one FSDP2 unit per repeated block, as torchtitan) or
             ``"sublayer"`` (a block's attention and MLP are units of their own: lower peak memory,
             one more unit per block to pay per step; ``parallel/data/apply.py:sublayer_units``).

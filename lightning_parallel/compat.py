@@ -345,6 +345,16 @@ def module_has_hooks(module: nn.Module) -> bool:
     return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks)
 
 
+def tensor_has_grad_hooks(tensor: torch.Tensor) -> bool:
+    """Whether hooks wait on ``tensor``'s gradient (``register_hook``: ``_backward_hooks``;
+    ``register_post_accumulate_grad_hook``: ``_post_accumulate_grad_hooks``).
+
+    Why: a pipeline stage adds a weight's gradient into ``.grad`` inside its GEMM only where nothing
+    relies on autograd delivering it (parallel/pipeline/grad_accumulation.py). Since: 2.1 (the
+    post-accumulate hooks). Public: none (the register_* methods return handles, not a query)."""
+    return bool(tensor._backward_hooks) or bool(getattr(tensor, "_post_accumulate_grad_hooks", None))
+
+
 def global_module_hooks() -> bool:
     """Whether any global module hook is registered (``nn.modules.module.register_module_forward_hook``
     and its siblings), which would see every module call. Why and since: as :func:`module_has_hooks`."""
@@ -408,6 +418,7 @@ class PrivateApi:
 PRIVATE_APIS: tuple[PrivateApi, ...] = (
     PrivateApi("module_has_hooks", "torch.nn.modules.module:Module._call_impl", "2.4", "none"),
     PrivateApi("global_module_hooks", "torch.nn.modules.module:_global_forward_hooks", "2.4", "none"),
+    PrivateApi("tensor_has_grad_hooks", "torch._tensor:Tensor.register_post_accumulate_grad_hook", "2.4", "none"),
     PrivateApi("FsdpReduceScatter", "torch.distributed.fsdp._fully_shard._fsdp_api:ReduceScatter", "2.9", "none yet"),
     PrivateApi("set_fsdp_unshard_async", "torch.distributed.fsdp:FSDPModule._set_unshard_async_op", "2.6",
                "none yet (FSDPModule.unshard(async_op=True))"),
@@ -484,7 +495,8 @@ PRIVATE_ATTRIBUTES = frozenset({"_flatten", "_unflatten", "_set_params_and_buffe
                                 "_assert_tensor_metadata", "_stages", "_stage", "_parse_to", "_schema",
                                 "_resolve_process_group", "_reset_parameters", "_get_pg_default_device",
                                 "_set_unshard_async_op", "_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
-                                "_backward_pre_hooks", "_global_forward_hooks", "_datasets", "_version"})
+                                "_backward_pre_hooks", "_global_forward_hooks", "_datasets", "_version",
+                                "_post_accumulate_grad_hooks"})
 
 __all__ = [
     "PRIVATE_APIS", "PRIVATE_ATTRIBUTES", "TORCH_LOWER_BOUND", "AsyncCollectiveTensor", "BatchNormBase",
@@ -493,7 +505,7 @@ __all__ = [
     "checkpoint_module", "compute_local_shape_and_global_offset", "ddp_ignore", "device_constructors",
     "flash_attention_ops", "flatten_mesh", "foreach_norm", "functional_collectives", "global_module_hooks", "litdata_env_class",
     "litdata_wrapped_datasets", "local_tensor", "modify_graph_op_device", "module_has_hooks",
-    "multihead_attention_init", "op_arguments", "in_backward", "comm_mode_native_ops", "parse_to", "parse_to_device", "process_group_device",
+    "multihead_attention_init", "op_arguments", "tensor_has_grad_hooks", "in_backward", "comm_mode_native_ops", "parse_to", "parse_to_device", "process_group_device",
     "resolve_process_group", "run_generated_code", "set_fsdp_unshard_async",
     "schedule_stages", "templated_ring_attention", "templated_ring_attention_backward", "torch_ring_rotation", "tree_flatten", "tree_leaves", "tree_map", "tree_unflatten", "unflatten_mesh", "tensor_version",
     "TorchDispatchMode",

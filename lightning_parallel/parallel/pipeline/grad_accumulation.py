@@ -39,6 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_parallel.compat import tensor_has_grad_hooks
+
 _PLAIN = (Tensor, nn.Parameter)
 _ON: ContextVar[bool] = ContextVar("gemm_accumulated_weight_grads", default=False)
 
@@ -89,8 +91,7 @@ def _fusable(input: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
     return (
         weight.dtype == input.dtype
         and weight.is_contiguous()
-        and weight._backward_hooks is None
-        and getattr(weight, "_post_accumulate_grad_hooks", None) is None
+        and not tensor_has_grad_hooks(weight)
         and (grad is None or (type(grad) is Tensor and grad.dtype == weight.dtype and grad.is_contiguous()))
         and not torch.is_autocast_enabled(input.device.type)
         and not torch.compiler.is_compiling()

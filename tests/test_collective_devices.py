@@ -291,5 +291,5 @@ def test_four_rank_hsdp_and_3d_hand_collectives_tensors_on_their_device() -> Non
     reached = _sites([fit for per_rank in fits.values() for fit in per_rank])
     expected = {"strategies/pipeline/driver.py:_average_over_data_parallel", "strategies/pipeline/driver.py:_broadcast",
                 "strategies/experts.py:reduce_expert_grads",
-                "parallel/pipeline/tensor.py:_reduced"}
+                "parallel/pipeline/tensor.py:_reduced", "parallel/pipeline/shard_crossing.py:agree_shard_crossings"}
     assert expected <= reached, f"call sites not reached: {sorted(expected - reached)}"

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_parallel.testing.real_models import HFCausalLM
-from tests.test_hf_pp import _lm, check_cells
+from tests.test_hf_pp import T5, _lm, check_cells
 
 HYBRID = "lightning_parallel:HybridParallelStrategy"
 TP2_PP2 = {"class": HYBRID, "tensor_parallel_size": 2, "pipeline_parallel_size": 2}
@@ -25,6 +25,10 @@ CELLS: dict[str, tuple[Any, bool]] = {
     "phi3 '3d' (fused qkv_proj, gate_up_proj)": (_lm("phi3", "3d", devices=4), False),
     "mixtral pp2 x ep2": (_lm("mixtral", {"class": HYBRID, "pipeline_parallel_size": 2, "expert_parallel_size": 2},
                               devices=4), False),
+    # Its position bias, split with the heads, crosses the cut as each tp rank's shard from the second step on
+    # (parallel/pipeline/shard_crossing.py): steps 2-5 check those values and their gradients.
+    "t5 tp2 x pp2 labels= (split position bias crossing the cut)": (_lm(T5[0], TP2_PP2, devices=4, loss="labels", config=T5[2]),
+                                                                     False),
 }
 
 

@@ -124,8 +124,16 @@ def test_traced_stages_reduce_each_region_once() -> None:
     layout = {"class": "lightning_parallel:HybridParallelStrategy", "tensor_parallel_size": 2, "pipeline_parallel_size": 2}
     specs = [dataclasses.replace(base, strategy=layout, devices=4, max_steps=2, trainer_kwargs={},
                                  callbacks=[("lightning_parallel.testing.comm_counts:CommCounter", {"model": name, "layout": "tp2 x pp2"})])
-             for name, base in (("llama", MODELS["llama"]), ("gpt", gpt))]
-    for rank, (llama, gpt_counts) in enumerate(run_distributed(_stage_counts, 4, specs, init_backend=None, timeout=400)):
+             for name, base in (("llama", MODELS["llama"]), ("gpt", gpt), ("t5", MODELS["t5"]))]
+    for rank, (llama, gpt_counts, t5) in enumerate(run_distributed(_stage_counts, 4, specs, init_backend=None, timeout=400)):
+        # T5's position bias, split with the heads, crosses the cut as each tp rank's shard from the second
+        # step on (parallel/pipeline/shard_crossing.py): no gather of it forward, none of its gradient backward.
+        counts, minimum = t5["counts"], t5["minimum"]
+        dtensor = {k: v / minimum["microbatches"] for k, v in counts.items()
+                   if k.split("/")[:2] in (["fwd", "dtensor"], ["bwd", "dtensor"]) and not k.endswith("/bytes") and v}
+        expected = {f"{p}/dtensor/{k}": minimum.get(f"{p}_{k}", 0) for p in ("fwd", "bwd") for k in ("AR", "AG", "RS")}
+        expected = {k: v for k, v in expected.items() if v}
+        assert dtensor == expected, f"t5 rank {rank} ({minimum['stage']} stage): {dtensor} against {minimum}"
         for name, result in (("llama", llama), ("gpt", gpt_counts)):
             counts, minimum = result["counts"], result["minimum"]
             per_forward = {(phase, kind): counts.get(f"{phase}/dtensor/{kind}", 0) / minimum["microbatches"]

@@ -125,27 +125,32 @@ def stage_dependencies(stage_module: nn.Module) -> StageDeps:
     return [_union([env[a]]) if isinstance(a, fx.Node) else _NONE for a in leaves]
 
 
+def input_sources(pipe: Pipe) -> list[list[tuple[int, int] | None]]:
+    """For each stage of ``pipe`` in order, for each of its inputs: (the stage that sends it, the
+    index of that stage's output), or None for a forward input of the whole model (or a constant)."""
+    stages = [n for n in pipe.split_gm.graph.nodes if n.op == "call_module"]
+    index = {n: i for i, n in enumerate(stages)}
+
+    def source(arg: Any) -> tuple[int, int] | None:
+        if isinstance(arg, fx.Node) and arg.op == "call_function" and arg.target is operator.getitem and arg.args[0] in index:
+            return index[arg.args[0]], int(arg.args[1])  # type: ignore[arg-type]
+        if isinstance(arg, fx.Node) and arg in index:
+            return index[arg], 0
+        return None
+
+    return [[source(a) for a in node.args] for node in stages]
+
+
 def resolve_cut_gradients(pipe: Pipe, deps: dict[int, StageDeps]) -> dict[int, tuple[list[bool], list[bool]]]:
     """Stage index -> (which inputs need a gradient, which outputs need one), along ``pipe``'s wiring.
 
     ``deps`` must hold every stage (each rank's own, exchanged). A stage input that is a forward
     input of the whole model never needs one (torch sends none back for it)."""
-    graph = pipe.split_gm.graph
-    stages = [n for n in graph.nodes if n.op == "call_module"]
-    index = {n: i for i, n in enumerate(stages)}
     result: dict[int, tuple[list[bool], list[bool]]] = {}
-
-    def source(arg: Any) -> bool:  # stages run in graph order: a sender's flags are known before its receiver's
-        if isinstance(arg, fx.Node) and arg.op == "call_function" and arg.target is operator.getitem and arg.args[0] in index:
-            return result[index[arg.args[0]]][1][arg.args[1]]  # type: ignore[index]
-        if isinstance(arg, fx.Node) and arg in index:
-            return result[index[arg]][1][0]
-        return False  # a forward input of the model (or a constant)
-
-    for k, node in enumerate(stages):
-        needs_in = [source(a) for a in node.args]
+    for k, sources in enumerate(input_sources(pipe)):  # in graph order: a sender's flags are known before its receiver's
+        needs_in = [src is not None and result[src[0]][1][src[1]] for src in sources]
         result[k] = (needs_in, [param or any(needs_in[i] for i in inputs if i < len(needs_in)) for inputs, param in deps[k]])
     return result
 
 
-__all__ = ["StageDeps", "resolve_cut_gradients", "stage_dependencies"]
+__all__ = ["StageDeps", "input_sources", "resolve_cut_gradients", "stage_dependencies"]

@@ -44,7 +44,8 @@ from lightning_parallel.parallel.clip import total_norm
 from lightning_parallel.parallel.errors import config_error
 from lightning_parallel.parallel.pipeline.codegen import lean_stage_code
 from lightning_parallel.parallel.pipeline.grad_accumulation import gemm_accumulated_weight_grads
-from lightning_parallel.parallel.pipeline.cut_grads import resolve_cut_gradients, stage_dependencies
+from lightning_parallel.parallel.pipeline.shard_crossing import agree_shard_crossings
+from lightning_parallel.parallel.pipeline.cut_grads import input_sources, resolve_cut_gradients, stage_dependencies
 from lightning_parallel.parallel.pipeline.eval_reuse import unique_modules
 from lightning_parallel.parallel.pipeline.plan import PipelinePlan
 from lightning_parallel.parallel.pipeline.tensor import full_value, local_part
@@ -94,6 +95,7 @@ class PipelineRuntime:
         loss_reduction: Literal["mean", "sum"],
         holders: dict[str, set[int]],
         used_anywhere: frozenset[int] | None = None,
+        input_sources: list[list[tuple[int, int] | None]] | None = None,
     ) -> None:
         self.module, self.plan, self.spec, self.group = module, plan, spec, group
         self._used_anywhere = used_anywhere  # ids of tensors some stage (of any rank) uses; None: all
@@ -119,6 +121,7 @@ class PipelineRuntime:
         self.last_losses: list[Tensor] = []
         self.released: dict[str, torch.Size] = {}
         self._code_final = False  # see finalize_code
+        self._input_sources = input_sources  # the pipe's wiring, for shard crossings (shard_crossing.py); None: none
 
     @property
     def stages(self) -> list[_PipelineStage]:
@@ -229,6 +232,7 @@ class PipelineRuntime:
         # computes them in a pass of their own (zero bubble: autograd.grad on the weights).
         with gemm_accumulated_weight_grads(not self.spec.zero_bubble):
             self._train.step(*args, target=target, return_outputs=False, **kwargs)
+        self._agree_shard_crossings()
         self._sum_shared_grads(params, before)
         self.last_losses = list(self._mb_losses)
         device = self.stages[0].device  # the device the group's backend serves (NCCL rejects CPU tensors)
@@ -239,6 +243,15 @@ class PipelineRuntime:
         if broadcast_loss:
             dist.broadcast(loss, src=self._last_rank, group=self.group)
         return loss
+
+    def _agree_shard_crossings(self) -> None:
+        """Once, after the first training step, on every rank: tensor-parallel stages send the values
+        they split as shards from now on (parallel/pipeline/shard_crossing.py)."""
+        sources, self._input_sources = self._input_sources, None
+        forwards = {s.stage_index: s.submod.__dict__.get("forward") for s in self.stages}
+        forwards = {k: f for k, f in forwards.items() if hasattr(f, "split_outputs_seen")}
+        if sources is not None and forwards:  # tensor parallelism applies to every rank's stages or to none
+            agree_shard_crossings(forwards, sources, self.plan.num_stages - 1, self.group)
 
     def shard_shared_gradients(self, layouts: dict[str, tuple[DeviceMesh, list[Placement]]]) -> None:
         """Shared parameters (a tied embedding and LM head on the first and last stage) that every
@@ -384,5 +397,5 @@ def build_pipeline(
     eval_stages = [build_stage(traced.eval, k, dev, pg) for k in local] if build_eval and traced.eval is not None else None
     return PipelineRuntime(
         module, plan, schedule, pg, microbatches, traced.microbatch_size, train_stages, eval_stages, loss_fn, loss_reduction, holders,
-        traced.used_anywhere,
+        traced.used_anywhere, input_sources(traced.train),
     )

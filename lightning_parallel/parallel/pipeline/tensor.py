@@ -20,7 +20,9 @@ found by DTensor's sharding propagation instead of being written down). Plain te
 meets (the stage inputs, a replicated norm weight, masks) join as replicated DTensors (see
 :class:`~lightning_parallel.parallel.tensor.attention.ReplicateMixedMode`); on CPU attention uses
 the math kernel, which DTensor can shard. A stage's outputs leave as full plain tensors, so
-what crosses a pipeline cut (and what the loss sees) is exactly what a single process computes.
+what crosses a pipeline cut (and what the loss sees) is exactly what a single process computes,
+except values split over the tp ranks, which cross as their shards from the second training step on
+(:mod:`~lightning_parallel.parallel.pipeline.shard_crossing`).
 
 One rewrite of the graphs: ``torch.export`` drops a ``.contiguous()`` that was a no-op for the
 kernel seen while tracing (``y.transpose(1, 2).contiguous().view(B, T, C)`` after the CPU flash
@@ -46,8 +48,9 @@ from torch.distributed.tensor.experimental import implicit_replication
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.optim import Optimizer
 
-from lightning_parallel.compat import AsyncCollectiveTensor, assert_tensor_metadata_op, tree_map
+from lightning_parallel.compat import AsyncCollectiveTensor, assert_tensor_metadata_op, tree_flatten, tree_map, tree_unflatten
 from lightning_parallel.parallel.errors import config_error
+from lightning_parallel.parallel.pipeline.shard_crossing import crossing_inputs, embed_shard, split_dim
 from lightning_parallel.parallel.tensor.apply import _grad_to_param_layout
 from lightning_parallel.parallel.tensor.attention import ReplicateMixedMode, full_value
 from lightning_parallel.parallel.tensor.fused import packed_placement
@@ -94,8 +97,14 @@ class TensorParallelStageForward:
         # ``finalize_code``, the passes below) installs a new ``forward`` on the class, and a method
         # bound now would keep running the code traced before them.
         self.module = module
+        self.mesh = mesh
         self.force_math = mesh.device_type == "cpu"  # no DTensor rule for the CPU flash kernel
         self.column_weights = set(column_weights)
+        # Values crossing a cut as shards (shard_crossing.py): flat output index -> split dim seen in
+        # training; then, once the stages agreed, the outputs sent and the positional inputs read so.
+        self.split_outputs_seen: dict[int, int] = {}
+        self.shard_outputs: dict[int, int] = {}
+        self.shard_inputs: dict[int, int] = {}
 
     def after_inlining(self, module: nn.Module) -> int:
         """What needs the stage's submodule calls inlined (one graph, where q, k and v meet their
@@ -104,13 +113,31 @@ class TensorParallelStageForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         args, kwargs = tree_map(_settled, (args, kwargs))
+        args = crossing_inputs(args, self.shard_inputs, self.mesh)
         with contextlib.ExitStack() as stack:
             stack.enter_context(ReplicateMixedMode())
             stack.enter_context(implicit_replication())
             if self.force_math:
                 stack.enter_context(sdpa_kernel(SDPBackend.MATH))
             out = type(self.module).forward(self.module, *args, **kwargs)
-        return tree_map(lambda v: _settled(full_value(v)), out)
+        return self._leaving(out)
+
+    def _leaving(self, out: Any) -> Any:
+        """The outputs as whole plain tensors, but those agreed to cross as shards (training only)."""
+        flat, spec = tree_flatten(out)
+        training = torch.is_grad_enabled()
+        leaving = []
+        for i, value in enumerate(flat):
+            dim = split_dim(value, self.mesh) if training else None
+            if dim is not None:
+                self.split_outputs_seen[i] = dim
+            if training and i in self.shard_outputs:
+                if dim != self.shard_outputs[i]:  # the receiver would read a wrong slice: never silently
+                    raise RuntimeError(f"stage output {i} was agreed to cross split on dim {self.shard_outputs[i]}, now {dim}")
+                leaving.append(_settled(embed_shard(value, dim)))
+            else:
+                leaving.append(_settled(full_value(value)))
+        return tree_unflatten(leaving, spec)
 
 
 class _Settle(torch.autograd.Function):

@@ -83,13 +83,9 @@ def agree_shard_crossings(
     return len(split)
 
 
-def _grad_mode_on() -> bool:
-    return torch.is_grad_enabled()
-
-
 def crossing_inputs(args: Iterable[Any], shard_inputs: dict[int, int], mesh: DeviceMesh) -> tuple[Any, ...]:
     """A stage's positional inputs with those sent as shards read back as DTensors (training only)."""
-    if not shard_inputs or not _grad_mode_on():
+    if not shard_inputs or not torch.is_grad_enabled():
         return tuple(args)
     return tuple(extract_shard(a, shard_inputs[i], mesh) if i in shard_inputs else a for i, a in enumerate(args))
 

@@ -1,27 +1,24 @@
 """Every private torch API lightning_parallel uses, in one place, each with the public API to move to.
 
-Why one module: private names (underscore modules, classes, methods and attributes) change
-without deprecation between torch releases. Kept here, a torch upgrade breaks one file, at
-import, with the name of what moved, instead of a pipeline step on rank 3; and each entry says
-what to switch to once torch publishes it. ``tests/test_compat.py`` fails when another module
-of the package imports a private torch name directly, and checks that every entry of
+Why one module: private names (underscore modules, classes, methods and attributes) change without deprecation between
+torch releases. Kept here, a torch upgrade breaks one file, at import, with the name of what moved, instead of a
+pipeline step on rank 3; and each entry says what to switch to once torch publishes it. ``tests/test_compat.py`` fails
+when another module of the package imports a private torch name directly, and checks that every entry of
 :data:`PRIVATE_APIS` still resolves in the installed torch.
 
-"Since" is the oldest torch release whose Python sources define the name, read from the
-released wheels of 2.4 to 2.12 (2.4 means "2.4 or older"; 2.13 is the one installed and
-tested). The package as a whole needs torch >= 2.12 (:data:`TORCH_LOWER_BOUND`; see
-``pyproject.toml``). Lightning's private names live in :mod:`lightning_parallel.compat_lightning`
-so that the torch layer (``parallel/``) keeps importing nothing from Lightning. The two private names of
-litdata (an optional library the data-parallel view serves) live here too, each with the litdata
-release it was read from.
+"Since" is the oldest torch release whose Python sources define the name, read from the released wheels of 2.4 to 2.12
+(2.4 means "2.4 or older"; 2.13 is the one installed and tested). The package as a whole needs torch >= 2.12
+(:data:`TORCH_LOWER_BOUND`; see ``pyproject.toml``). Lightning's private names live in
+:mod:`lightning_parallel.compat_lightning` so that the torch layer (``parallel/``) keeps importing nothing from
+Lightning. The two private names of litdata (an optional library the data-parallel view serves) live here too, each with
+the litdata release it was read from.
 
-Not routed through here, by judgement: ``nn.Module``'s ``_parameters``/``_buffers``/``_modules``/
-``_apply`` (the documented way to replace a tensor in place while keeping its name; torch's own
-``nn.utils`` do the same); methods a subclass overrides of the class it derives from here
-(:class:`GraphPipelineStage` below names them); and other libraries' private attributes read by
-duck typing (``transformers``: ``_tp_plan``, ``_pp_plan``, ``_gradient_checkpointing_func``,
-``_is_hf_initialized``, ``_initialize_weights``, ``config._attn_implementation``; ``torchmetrics``: ``Metric._defaults``,
-``_forward_cache``, ``_update_count``, ``_computed``).
+Not routed through here, by judgement: ``nn.Module``'s ``_parameters``/``_buffers``/``_modules``/``_apply`` (the
+documented way to replace a tensor in place while keeping its name; torch's own ``nn.utils`` do the same); methods a
+subclass overrides of the class it derives from here (:class:`GraphPipelineStage` below names them); and other
+libraries' private attributes read by duck typing (``transformers``: ``_tp_plan``, ``_pp_plan``,
+``_gradient_checkpointing_func``, ``_is_hf_initialized``, ``_initialize_weights``, ``config._attn_implementation``;
+``torchmetrics``: ``Metric._defaults``, ``_forward_cache``, ``_update_count``, ``_computed``).
 """
 
 from __future__ import annotations
@@ -335,23 +332,16 @@ def set_fsdp_unshard_async(module: Any, async_op: bool) -> None:
 
 
 def module_has_hooks(module: nn.Module) -> bool:
-    """Whether calling ``module`` runs hooks of its own (``_forward_hooks``, ``_forward_pre_hooks``,
-    ``_backward_hooks``, ``_backward_pre_hooks``).
-
-    Why: a traced pipeline stage inlines a child's code into its own only when the call does
-    nothing else (parallel/pipeline/codegen.py); tensor parallelism and FSDP2 act through hooks.
-    Since: 2.4 (far older). Public: none (the register_* methods return handles, not a query).
-    """
+    """Whether calling ``module`` runs hooks of its own (``_forward_hooks``, ``_forward_pre_hooks``, ``_backward_hooks``,
+    ``_backward_pre_hooks``). Why: a traced pipeline stage inlines a child's code into its own only when the call does
+    nothing else (parallel/pipeline/codegen.py); tensor parallelism and FSDP2 act through hooks. Since: 2.4 (far older).
+    Public: none (the register_* methods return handles, not a query)."""
     return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks)
 
 
 def tensor_has_grad_hooks(tensor: torch.Tensor) -> bool:
-    """Whether hooks wait on ``tensor``'s gradient (``register_hook``: ``_backward_hooks``;
-    ``register_post_accumulate_grad_hook``: ``_post_accumulate_grad_hooks``).
-
-    Why: a pipeline stage adds a weight's gradient into ``.grad`` inside its GEMM only where nothing
-    relies on autograd delivering it (parallel/pipeline/grad_accumulation.py). Since: 2.1 (the
-    post-accumulate hooks). Public: none (the register_* methods return handles, not a query)."""
+    """Whether hooks wait on ``tensor``'s gradient (``register_hook``, ``register_post_accumulate_grad_hook``). Why: a
+    pipeline stage adds a weight's gradient in its GEMM only where none does (parallel/pipeline/grad_accumulation.py)."""
     return bool(tensor._backward_hooks) or bool(getattr(tensor, "_post_accumulate_grad_hooks", None))
 
 
@@ -488,25 +478,21 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
                "none"),
 )
 
-#: Private attribute names reached only through the wrappers above (the test rejects
-#: ``x.<name>`` and ``getattr(x, "<name>")`` for these anywhere else in the package).
-PRIVATE_ATTRIBUTES = frozenset({"_flatten", "_unflatten", "_set_params_and_buffers_to_ignore_for_model",
-                                "_run_with_interpreter", "_foreach_norm", "_local_tensor",
-                                "_assert_tensor_metadata", "_stages", "_stage", "_parse_to", "_schema",
-                                "_resolve_process_group", "_reset_parameters", "_get_pg_default_device",
-                                "_set_unshard_async_op", "_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
-                                "_backward_pre_hooks", "_global_forward_hooks", "_datasets", "_version",
-                                "_post_accumulate_grad_hooks"})
+#: Private attribute names reached only through the wrappers above (the test rejects ``x.<name>`` and ``getattr(x, "<name>")`` elsewhere).
+PRIVATE_ATTRIBUTES = frozenset({
+    "_assert_tensor_metadata", "_backward_hooks", "_backward_pre_hooks", "_datasets", "_flatten", "_foreach_norm", "_forward_hooks",
+    "_forward_pre_hooks", "_get_pg_default_device", "_global_forward_hooks", "_local_tensor", "_parse_to", "_post_accumulate_grad_hooks",
+    "_reset_parameters", "_resolve_process_group", "_run_with_interpreter", "_schema", "_set_params_and_buffers_to_ignore_for_model",
+    "_set_unshard_async_op", "_stage", "_stages", "_unflatten", "_version",
+})
 
 __all__ = [
-    "PRIVATE_APIS", "PRIVATE_ATTRIBUTES", "TORCH_LOWER_BOUND", "AsyncCollectiveTensor", "BatchNormBase",
-    "DeviceContext", "FakeTensor", "FakeTensorMode", "FsdpReduceScatter", "GraphPipelineStage", "PipelineAction", "PipelineComputationType",
-    "PipelineScheduleRuntime", "PrivateApi", "StridedShard", "TreeSpec", "assert_tensor_metadata_op",
-    "checkpoint_module", "compute_local_shape_and_global_offset", "ddp_ignore", "device_constructors",
+    "PRIVATE_APIS", "PRIVATE_ATTRIBUTES", "TORCH_LOWER_BOUND", "AsyncCollectiveTensor", "BatchNormBase", "DeviceContext", "FakeTensor", "FakeTensorMode",
+    "FsdpReduceScatter", "GraphPipelineStage", "PipelineAction", "PipelineComputationType", "PipelineScheduleRuntime", "PrivateApi", "StridedShard",
+    "TreeSpec", "assert_tensor_metadata_op", "checkpoint_module", "compute_local_shape_and_global_offset", "ddp_ignore", "device_constructors",
     "flash_attention_ops", "flatten_mesh", "foreach_norm", "functional_collectives", "global_module_hooks", "litdata_env_class",
-    "litdata_wrapped_datasets", "local_tensor", "modify_graph_op_device", "module_has_hooks",
-    "multihead_attention_init", "op_arguments", "tensor_has_grad_hooks", "in_backward", "comm_mode_native_ops", "parse_to", "parse_to_device", "process_group_device",
-    "resolve_process_group", "run_generated_code", "set_fsdp_unshard_async",
-    "schedule_stages", "templated_ring_attention", "templated_ring_attention_backward", "torch_ring_rotation", "tree_flatten", "tree_leaves", "tree_map", "tree_unflatten", "unflatten_mesh", "tensor_version",
-    "TorchDispatchMode",
+    "litdata_wrapped_datasets", "local_tensor", "modify_graph_op_device", "module_has_hooks", "multihead_attention_init", "op_arguments",
+    "tensor_has_grad_hooks", "in_backward", "comm_mode_native_ops", "parse_to", "parse_to_device", "process_group_device", "resolve_process_group",
+    "run_generated_code", "set_fsdp_unshard_async", "schedule_stages", "templated_ring_attention", "templated_ring_attention_backward",
+    "torch_ring_rotation", "tree_flatten", "tree_leaves", "tree_map", "tree_unflatten", "unflatten_mesh", "tensor_version", "TorchDispatchMode",
 ]

@@ -5,7 +5,8 @@ a value that is split across the tp ranks when it reaches the cut is all-gathere
 gradient, arriving whole on the next stage, is all-gathered again there on its way back from the
 split computation that uses it. T5's relative position bias is such a value: computed per head in a
 stack's first attention (its embedding split with the heads), handed to every later layer, across
-every cut: measured tp2 x pp2, the first stage 1.20x and the last 1.14x the Megatron minimum.
+every cut: measured tp2 x pp2, the first stage 1.07x and the last 1.14x the Megatron minimum
+(1.00 and 1.00 now, ``benchmarks/bench_tp_comms.py``).
 
 How, without changing the buffers torch's pipeline stages allocate from the trace: point-to-point
 sends pair the same tensor-parallel rank of adjacent stages, so the sender puts its shard at its

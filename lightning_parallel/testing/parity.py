@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_parallel.compat_lightning import attached_trainer
+from lightning_parallel.parallel.tensor.rank_order import full_natural
 
 
 @dataclass
@@ -134,7 +135,7 @@ def full_parameters(module: torch.nn.Module) -> dict[str, torch.Tensor]:
         return {n: t.detach().cpu().clone() for n, t in driver.gather_state(parameters_only=True).items()}
     out = {}
     for name, param in module.named_parameters():
-        value = param.full_tensor() if isinstance(param, DTensor) else param
+        value = full_natural(param) if isinstance(param, DTensor) else param
         out[name] = value.detach().cpu().clone()
     return out
 

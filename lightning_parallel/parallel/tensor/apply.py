@@ -71,6 +71,7 @@ from lightning_parallel.parallel.tensor.experts import apply_experts_tensor_para
 from lightning_parallel.parallel.tensor.fused import Conv1DRowwiseParallel, FusedColwiseParallel, is_conv1d
 from lightning_parallel.parallel.tensor.head_bias import HeadParameters
 from lightning_parallel.parallel.tensor.loss import install_sharded_head
+from lightning_parallel.parallel.tensor.rank_order import RankOrderedColwise
 from lightning_parallel.parallel.tensor.plan import TensorParallelPlan
 from lightning_parallel.parallel.tensor.sequence_stacks import (
     StackSpan,
@@ -214,7 +215,9 @@ def _styles(
         sp = sequence_parallel and (span is None or name in span.split)
         mod = module.get_submodule(name) if module is not None else nn.Linear(1, 1)
         packed = plan.packed.get(name, 1)
-        if style == COLWISE:
+        if style == COLWISE and in_region and name in plan.packed_sizes:  # unequal parts: rank order
+            out[name] = RankOrderedColwise(sizes=plan.packed_sizes[name])
+        elif style == COLWISE:
             # In a region the output stays a DTensor (global shapes for the user's reshapes).
             out[name] = _colwise(mod, packed, plan.packed_biases_split, use_local_output=not in_region)
         elif style in (ROWWISE, ROWWISE_SPLIT_INPUT):

@@ -46,6 +46,8 @@ class DataflowGroups:
 
     groups: list[tuple[list[str], list[str]]] = field(default_factory=list)
     packed: dict[str, int] = field(default_factory=dict)
+    # Columns whose output packs parts of different sizes (Phi-3's grouped-query [q | k | v]): the sizes.
+    packed_sizes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     reasons: dict[str, str] = field(default_factory=dict)
     # Linears whose output reaches the model's output (LM heads, classifiers), from the first pass.
     outputs: set[str] = field(default_factory=set)
@@ -54,7 +56,7 @@ class DataflowGroups:
 class _Pass(Rules):
     """One propagation over the recording with a fixed set of candidate columns."""
 
-    def __init__(self, tp: int, candidates: set[str], packing: dict[str, int]) -> None:
+    def __init__(self, tp: int, candidates: set[str], packing: dict[str, int | tuple[int, ...]]) -> None:
         self.tp = tp
         self.candidates = candidates
         self.packing = packing
@@ -63,7 +65,7 @@ class _Pass(Rules):
         self.failures: list[tuple[str, str]] = []
         self.rows: list[tuple[str, str, str]] = []  # (group, row linear, origin of the split it reads)
         self.dead: set[str] = set()
-        self.pack_requests: dict[str, int] = {}
+        self.pack_requests: dict[str, int | tuple[int, ...]] = {}
         self.order: list[str] = []
         self.reaching: set[str] = set()
 
@@ -143,7 +145,12 @@ class _Pass(Rules):
             return
         parts = self.packing.get(call.name, 1)
         features = call.output.shape[-1] if call.output.shape else 0
-        if features % (parts * self.tp):
+        if isinstance(parts, tuple):
+            if any(size % self.tp for size in parts):
+                self.set(call.output, None)
+                self.failures.append((call.name, f"a part of its packed output {parts} is not divisible by tp {self.tp}"))
+                return
+        elif features % (parts * self.tp):
             self.set(call.output, None)
             self.failures.append((call.name, f"out_features {features} is not divisible by {parts * self.tp} "
                                              f"({parts} part(s) x tp {self.tp})"))
@@ -154,7 +161,7 @@ class _Pass(Rules):
 def dataflow_groups(recording: Recording, tp: int, candidates: Iterable[str]) -> DataflowGroups:
     """Column/row groups over ``candidates`` (linear names) by the fixed point in the module doc."""
     live = set(candidates)
-    packing: dict[str, int] = {}
+    packing: dict[str, int | tuple[int, ...]] = {}
     reasons: dict[str, str] = {}
     outputs: set[str] | None = None
     partners: dict[str, str] = {}  # row -> the column whose split it read in the first pass
@@ -206,7 +213,9 @@ def dataflow_groups(recording: Recording, tp: int, candidates: Iterable[str]) ->
             chosen.append((cols, r))
         keep = {m for cols, _ in chosen for m in cols}
         if keep == live:
-            result = DataflowGroups(chosen, {k: v for k, v in packing.items() if k in keep and v > 1}, outputs=outputs or set())
+            result = DataflowGroups(chosen, {k: v for k, v in packing.items() if k in keep and isinstance(v, int) and v > 1},
+                                    {k: v for k, v in packing.items() if k in keep and isinstance(v, tuple)},
+                                    outputs=outputs or set())
             paired = keep | {m for _, r in chosen for m in r}
             own = dict(reasons)
             for row, origin in partners.items():  # say why a would-be row stays whole: its partner does

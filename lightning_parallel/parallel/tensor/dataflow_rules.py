@@ -26,7 +26,7 @@ class Tag:
     derived from the output of linear ``origin``."""
 
     dim: int
-    parts: int
+    parts: int | tuple[int, ...]  # equal parts, or the sizes of unequal ones
     group: str
     origin: str
 
@@ -125,7 +125,7 @@ class Rules:
     ``tp``, the tags by tensor (``tag``), the group union (``union``) and ``pack_requests``."""
 
     tp: int
-    pack_requests: dict[str, int]
+    pack_requests: dict[str, int | tuple[int, ...]]
 
     def tag(self, ref: Any) -> Tag | None:  # pragma: no cover - the walk's
         raise NotImplementedError
@@ -199,6 +199,8 @@ class Rules:
         t = self.tag(src)
         if t is None:
             return None
+        if isinstance(t.parts, tuple):
+            raise Broken([t], f"a reshape of a fused output of unequal parts {t.parts} before it is cut into them")
         for gi, gj in view_groups(src.shape, out.shape):
             if t.dim not in gi:
                 continue
@@ -268,23 +270,52 @@ class Rules:
                 end = start + bound.get("length", size)
             start, end = _dim(start, size), min(_dim(end, size) if end < 0 else end, size)
             width = end - start
-            if bound.get("step", 1) != 1 or width <= 0 or size % width or start % width:
-                raise Broken([t], f"a slice [{start}:{end}] of the split dimension ({size}) is not an equal part")
+            if bound.get("step", 1) != 1 or width <= 0:
+                raise Broken([t], f"a slice [{start}:{end}:{bound.get('step', 1)}] of the split dimension ({size})")
+            if size % width or start % width or isinstance(t.parts, tuple):
+                return [self.unequal_part(t, size, (start, end))]
             widths = [width]
         else:
             widths = [o.shape[d] for o in outs if o is not None]
+            if widths and sum(widths) == size and (len(set(widths)) != 1 or isinstance(t.parts, tuple)):
+                bounds = [sum(widths[:i]) for i in range(len(widths) + 1)]
+                return [self.unequal_part(t, size, (a, b)) for a, b in zip(bounds, bounds[1:])]
         parts = size // widths[0] if widths and widths[0] else 0
         if not widths or len(set(widths)) != 1 or parts * widths[0] != size:
-            raise Broken([t], f"the split dimension is cut into unequal parts {widths}: a fused projection "
-                               "with parts of different sizes (grouped-query [q | k | v]?) has no per-rank split")
+            raise Broken([t], f"the split dimension is cut into parts {widths} that do not cover it")
         if parts == 1:
             return [t if o is not None else None for o in outs]
-        if t.parts == 1:
-            self.pack_requests[t.origin] = parts  # pack the origin's output into these parts, then retry
-            raise Broken([], "packing requested")
         if t.parts == parts:
             return [Tag(t.dim, 1, t.group, t.origin) if o is not None else None for o in outs]
-        raise Broken([t], f"a fused output of {t.parts} parts is cut into {parts}")
+        # Not packed (or packed otherwise): pack the origin's output at these bounds, then retry.
+        bounds = [start, end] if name in ("slice", "narrow") else [i * widths[0] for i in range(len(widths) + 1)]
+        return [self.unequal_part(t, size, (a, b)) for a, b in zip(bounds, bounds[1:])]
+
+    def unequal_part(self, t: Tag, size: int, bounds: tuple[int, int]) -> Tag:
+        """The tag of ``[start:end)`` of a split dim cut into parts of different sizes (Phi-3's
+        grouped-query ``[q | k | v]``: ``qkv[..., :q_end]``...).
+
+        A part of the origin's packed sizes is split like any output (each rank holds its slice of
+        every part, :mod:`~lightning_parallel.parallel.tensor.rank_order`); a cut that is not one
+        yet asks for the origin's output to be packed at these bounds too, and the walk retries.
+        """
+        sizes = t.parts if isinstance(t.parts, tuple) else (size // t.parts,) * t.parts
+        edges = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+        start, end = bounds
+        if start in edges and end in edges and edges.index(end) == edges.index(start) + 1:
+            if len(sizes) == 1:
+                return t
+            return Tag(t.dim, 1, t.group, t.origin)
+        asked = self.pack_requests.get(t.origin)  # another cut of this pass: pack at both
+        if asked is not None:
+            asked_sizes = asked if isinstance(asked, tuple) else (size // asked,) * asked
+            edges += [sum(asked_sizes[:i]) for i in range(len(asked_sizes) + 1)]
+        cut = sorted(set(edges) | {start, end})
+        new = tuple(b - a for a, b in zip(cut, cut[1:]))
+        if new == sizes:
+            raise Broken([t], f"a cut [{start}:{end}] spans several parts {sizes} of a fused output")
+        self.pack_requests[t.origin] = new if len(set(new)) > 1 else len(new)
+        raise Broken([], "packing requested")
 
     def cat(self, name: str, bound: dict, out: Ref) -> Tag | None:
         refs = [r for r in bound["tensors"] if isinstance(r, Ref) and not (len(r.shape) == 1 and r.shape[0] == 0)]

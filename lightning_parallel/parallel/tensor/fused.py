@@ -156,7 +156,7 @@ def _strided(x: Any) -> StridedShard | None:
     return None
 
 
-def _split_args(func: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[Any, int] | None:
+def split_args(func: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[Any, int] | None:
     """(size_or_sections, dim) of a ``split``/``chunk`` call, or None if it has other arguments."""
     names = ("chunks", "dim") if func in _CHUNKS else ("split_size_or_sections", "dim")
     alt = {"split_size": "split_size_or_sections", _SIZES_NAME.get(func, "split_size"): "split_size_or_sections"}
@@ -185,7 +185,7 @@ def split_packed(func: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[D
     placement = _strided(x)
     if placement is None:
         return None
-    parsed = _split_args(func, args, kwargs)
+    parsed = split_args(func, args, kwargs)
     if parsed is None:
         return None
     arg, dim = parsed
@@ -212,7 +212,7 @@ def _parts(x: DTensor, dim: int, n: int) -> tuple[DTensor, ...] | None:
     return tuple(DTensor.from_local(p, x.device_mesh, [Shard(dim)], run_check=False) for p in local.chunk(n, dim=dim))
 
 
-def _slice_bounds(func: Callable[..., Any], args: tuple, kwargs: dict, ndim: int) -> tuple[int, Any, Any] | None:
+def slice_bounds(func: Callable[..., Any], args: tuple, kwargs: dict, ndim: int) -> tuple[int, Any, Any] | None:
     """(dim, start, stop) of a one-dim, step-1 slice (``x[..., a:b]`` or ``aten.slice``), else None."""
     if func is _ATEN.slice.Tensor:
         names = ("dim", "start", "end", "step")
@@ -242,7 +242,7 @@ def slice_packed(func: Callable[..., Any], args: tuple, kwargs: dict) -> DTensor
     placement = _strided(x)
     if placement is None:
         return None
-    bounds = _slice_bounds(func, args, kwargs, x.ndim)
+    bounds = slice_bounds(func, args, kwargs, x.ndim)
     if bounds is None:
         return None
     dim, start, stop = bounds

@@ -86,6 +86,7 @@ class Structure:
     blocks: tuple[str, ...] = ()
     roles: dict[str, str] = field(default_factory=dict)
     packed: dict[str, int] = field(default_factory=dict)
+    packed_sizes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # unequal parts (dataflow only)
     experts: list[str] = field(default_factory=list)
     # Embeddings one column per attention head (T5's relative position bias): split with the heads.
     head_embeddings: list[str] = field(default_factory=list)
@@ -271,6 +272,7 @@ def _apply_dataflow(module: nn.Module, st: Structure, tp: int) -> None:
                     if m in kind:
                         kind.remove(m)
                 st.packed.pop(m, None)
+                st.packed_sizes.pop(m, None)
         blocks = [b for b in st.blocks if not (b == root or b.startswith(prefix))]
         for n, (cols, rows) in enumerate(found.groups):
             cols, rows = [prefix + c for c in cols], [prefix + r for r in rows]
@@ -289,6 +291,7 @@ def _apply_dataflow(module: nn.Module, st: Structure, tp: int) -> None:
             st.groups["#vocab"] = [m for m in st.groups["#vocab"] if m not in st.lm_heads or m in heads]
             st.lm_heads = heads
         st.packed.update({prefix + k: v for k, v in found.packed.items()})
+        st.packed_sizes.update({prefix + k: v for k, v in found.packed_sizes.items()})
         st.roles.update({prefix + k: v for k, v in found.reasons.items()})
         st.blocks = tuple(blocks)
 

@@ -83,6 +83,10 @@ class TensorParallelPlan:
     # No FSDP2 shards these parameters beside tp (no data parallelism): packed nn.Linear weights and
     # packed biases split ``_StridedShard`` too (resolve_tp_plan's ``fsdp_composable``).
     packed_biases_split: bool = False
+    # Column-parallel nn.Linear modules whose output packs parts of different sizes (Phi-3's
+    # grouped-query [q | k | v]): the sizes. Their parameters are stored in rank order and split
+    # Shard(0) (:mod:`~lightning_parallel.parallel.tensor.rank_order`); only without FSDP2 beside tp.
+    packed_sizes: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def fraction_sharded(self) -> float:
@@ -260,7 +264,7 @@ def _gather_unpaired(styles: dict[str, str], notes: list[str], groups: dict[str,
             notes.append(f"module {name!r}: colwise with no row-parallel layer beside it; its output is gathered")
 
 
-def _unpack_linears(module: nn.Module, packed: dict[str, int], notes: list[str]) -> None:
+def _unpack_linears(module: nn.Module, packed: dict[str, object], notes: list[str]) -> None:
     """An ``nn.Linear`` packs along dim 0 of its weight, the dim FSDP2 shards too, and FSDP2 does
     not compose with a ``_StridedShard`` tensor-parallel placement on its own dim (measured:
     dp2 x tp2 zero3 trained such a weight to a relative error of 1.0). Such a layer is split as a
@@ -320,6 +324,7 @@ def resolve_tp_plan(
     notes: list[str] = []
     reasons: dict[str, str] = {}
     packed: dict[str, int] = {}
+    sizes: dict[str, tuple[int, ...]] = {}
     declared = declared_plan(module) if not user_plan else {}
     if user_plan:
         source = "user"
@@ -328,12 +333,15 @@ def resolve_tp_plan(
         source = "declared"
         styles, named = styles_from_globs(module, declared, user=False, notes=notes, packed=packed)
         inferred = inferred_styles(structure)
-        upgrade_gathered_pairs(styles, inferred, _inferred_groups(structure, inferred), structure.packed, packed, notes)
+        upgraded = upgrade_gathered_pairs(styles, inferred, _inferred_groups(structure, inferred), structure.packed,
+                                          packed, notes)
+        sizes.update({m: structure.packed_sizes[m] for m in upgraded if m in structure.packed_sizes})
         added: list[str] = []
         for members in _inferred_groups(structure, inferred).values():
             if members and not any(m in named or m in styles for m in members):
                 styles.update({m: inferred[m] for m in members})
                 packed.update({m: structure.packed[m] for m in members if m in structure.packed})
+                sizes.update({m: structure.packed_sizes[m] for m in members if m in structure.packed_sizes})
                 added += members
         if added:
             source = "declared+inferred"
@@ -343,6 +351,7 @@ def resolve_tp_plan(
         source = "inferred"
         styles = inferred_styles(structure)
         packed.update({m: f for m, f in structure.packed.items() if m in styles})
+        sizes.update({m: f for m, f in structure.packed_sizes.items() if m in styles})
     for name in [n for n, s in styles.items() if s not in SHARDING_STYLES]:
         reasons[name] = "replicate (plan)" if styles[name] == REPLICATE else "norm: sequence-sharded under sequence_parallel"
         if styles.pop(name) == SEQUENCE_PARALLEL and name not in structure.norms:
@@ -354,12 +363,15 @@ def resolve_tp_plan(
     _gather_unpaired(styles, notes, structure.groups if source != "user" else None)
     if fsdp_composable:
         _unpack_linears(module, packed, notes)
+        _unpack_linears(module, sizes, notes)
     if source == "inferred":
         groups = _inferred_groups(structure, styles)
     else:
         groups = _declared_groups(styles)
     plannable = bool(styles)  # before divisibility: an empty plan after it has warned per module
     plan = _finalise(module, tp_size, source, styles, groups, reasons, structure, strict, notes, packed, not fsdp_composable)
+    plan.packed_sizes = {n: f for n, f in sizes.items() if plan.styles.get(n) == COLWISE
+                         and isinstance(module.get_submodule(n), nn.Linear)}
     if tp_size > 1 and plan.total_params and not plannable and source != "user":
         raise _no_split_error(module, tp_size, plan)
     if tp_size > 1:

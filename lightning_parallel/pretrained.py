@@ -56,6 +56,7 @@ from typing_extensions import override
 
 from lightning_parallel.compat import StridedShard, tree_leaves
 from lightning_parallel.errors import config_error
+from lightning_parallel.parallel.tensor.rank_order import rank_order
 from lightning_parallel.pretrained_convert import (Box, Conversions, Lazy, Source, conversions, describe, full_box, plan_reads,
                                                    runs_of)
 
@@ -178,7 +179,9 @@ def _held_indices(tensor: DTensor, dim: int) -> list[int]:
     collective), so packed ``_StridedShard`` parts and nested shards come out as DTensor lays them
     out (``compute_local_shape_and_global_offset`` gives only the first offset of a strided shard)."""
     on_dim = [_placement_on(p, dim, tensor.ndim) for p in tensor.placements]
-    index = torch.arange(tensor.shape[dim], device=tensor.device_mesh.device_type)
+    order = rank_order(tensor)  # stored in rank order (Phi-3's qkv_proj under tp): which rows it holds
+    index = order.stored_index() if order is not None and order.dim == dim else torch.arange(tensor.shape[dim])
+    index = index.to(tensor.device_mesh.device_type)
     return distribute_tensor(index, tensor.device_mesh, on_dim, src_data_rank=None).to_local().tolist()
 
 

@@ -54,6 +54,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from lightning_parallel.compat import DeviceContext, device_constructors, multihead_attention_init
 from lightning_parallel.parallel.blocks import is_hf_model
 from lightning_parallel.parallel.errors import config_error
+from lightning_parallel.parallel.tensor.rank_order import stored_whole
 
 _UNWRITTEN = "never initialised"
 _NAN = "left NaN"
@@ -332,10 +333,12 @@ def _copy_into(real: Tensor, full: Tensor, mask: Tensor | None = None) -> None:
     with torch.no_grad():
         if isinstance(real, DTensor):
             mesh, placements = real.device_mesh, real.placements
-            part = distribute_tensor(full, mesh, placements, src_data_rank=None).to_local()
+            # A rank-ordered parameter (Phi-3's qkv_proj under tp) takes its rows in its stored order.
+            part = distribute_tensor(stored_whole(real, full), mesh, placements, src_data_rank=None).to_local()
             target = real.to_local()
             if mask is not None:
-                part = torch.where(distribute_tensor(mask, mesh, placements, src_data_rank=None).to_local(), part, target)
+                split_mask = distribute_tensor(stored_whole(real, mask), mesh, placements, src_data_rank=None)
+                part = torch.where(split_mask.to_local(), part, target)
             target.copy_(part)
         else:
             real.copy_(full if mask is None else torch.where(mask, full, real))

@@ -53,6 +53,7 @@ from lightning_parallel.parallel.errors import config_error
 from lightning_parallel.parallel.pipeline.shard_crossing import crossing_inputs, embed_shard, split_dim
 from lightning_parallel.parallel.tensor.apply import _grad_to_param_layout
 from lightning_parallel.parallel.tensor.attention import ReplicateMixedMode, full_value
+from lightning_parallel.parallel.tensor.rank_order import RankOrder, mark
 from lightning_parallel.parallel.tensor.fused import packed_placement
 from lightning_parallel.parallel.tensor.plan import TensorParallelPlan
 from lightning_parallel.parallel.tensor.shards import plan_param_shard
@@ -411,8 +412,13 @@ def apply_stage_tensor_parallel(
     for name, param in module.named_parameters():
         if name not in owned or name not in placements:
             continue
-        local = distribute_tensor(param.detach(), tp_mesh, placements[name], src_data_rank=None)
+        owner = name.rpartition(".")[0]
+        order = RankOrder(0, plan.packed_sizes[owner], tp_mesh.size()) if owner in plan.packed_sizes else None
+        whole = param.detach() if order is None else order.stored(param.detach())
+        local = distribute_tensor(whole, tp_mesh, placements[name], src_data_rank=None)
         new = nn.Parameter(local, requires_grad=param.requires_grad)
+        if order is not None:  # unequal packed parts (Phi-3's qkv_proj): stored in rank order (rank_order.py)
+            mark(new, order)
         if new.requires_grad:
             new.register_post_accumulate_grad_hook(_grad_to_param_layout)
         replaced[id(param)] = (param, new)

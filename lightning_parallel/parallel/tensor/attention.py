@@ -53,7 +53,7 @@ from lightning_parallel.parallel.tensor.attention_weights import drop_unrequeste
 from lightning_parallel.parallel.tensor.flat_stream import stream_norm, stream_view
 from lightning_parallel.parallel.tensor.fused import slice_packed, split_packed
 from lightning_parallel.parallel.tensor.rank_order import (
-    cut_rank_ordered, mark_linear_output, natural_arguments, rank_ordered_linear,
+    cut_rank_ordered, elementwise_rank_ordered, full_natural, mark_linear_output, natural_arguments, rank_order, rank_ordered_linear,
 )
 from lightning_parallel.parallel.tensor.merged_heads import local_baddbmm
 from lightning_parallel.parallel.tensor.head_bias import derived_cut, head_cut, note_derived
@@ -161,6 +161,8 @@ class ReplicateMixedMode(TorchFunctionMode):
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         ordered = cut_rank_ordered(func, args, kwargs)  # Phi-3's [q | k | v] cut into its unequal parts
+        if ordered is None:  # DBRX clamps it first
+            ordered = elementwise_rank_ordered(func, args, kwargs, self._wrapped)
         if ordered is not None:
             return ordered
         if not rank_ordered_linear(func, args, kwargs):  # anything else reads a rank-ordered value whole
@@ -229,6 +231,8 @@ def full_value(value: Any) -> Any:
     """A DTensor as the plain full tensor it stands for (differentiably), everything else as is:
     a region's outputs, a tensor-parallel pipeline stage's outputs."""
     if isinstance(value, DTensor):
+        if rank_order(value) is not None:  # stored in rank order (Phi-3's qkv_proj): in the model's order
+            return full_natural(value)
         if all(isinstance(p, Replicate) for p in value.placements):
             return value.to_local()
         return value.full_tensor()

@@ -101,6 +101,29 @@ def natural_value(x: DTensor) -> DTensor:
     return DTensor.from_local(order.natural(x.full_tensor()), mesh, [Replicate()] * mesh.ndim, run_check=False)
 
 
+def carry(source: Any, target: Tensor) -> Tensor:
+    """``target`` (a detached copy or view of ``source``) marked as ``source`` is."""
+    order = rank_order(source)
+    return mark(target, order) if order is not None and isinstance(target, DTensor) else target
+
+
+def mark_states(param: Any, entries: dict[str, Any]) -> dict[str, Any]:
+    """Mark the optimizer state tensors of a rank-ordered parameter that are laid out like it
+    (momentum, Adam's moments; not its step count): they hold its rows in the same order."""
+    order = rank_order(param)
+    if order is not None:
+        for value in entries.values():
+            if isinstance(value, DTensor) and value.shape == param.shape:
+                mark(value, order)
+    return entries
+
+
+def stored_whole(target: Any, whole: Tensor) -> Tensor:
+    """A whole value in the model's order, reordered for a rank-ordered ``target`` to be split like it."""
+    order = rank_order(target)
+    return order.stored(whole) if order is not None else whole
+
+
 def full_natural(x: DTensor) -> Tensor:
     """``x.full_tensor()`` in the model's order (a collective): for reading a parameter whole."""
     order = rank_order(x)
@@ -161,6 +184,38 @@ def cut_rank_ordered(func: Callable[..., Any], args: tuple, kwargs: dict) -> Any
     return None
 
 
+# Same-layout calls that are not tagged pointwise in ATen (casts, copies, dropout).
+_LAYOUT_KEEPING = frozenset({"to", "float", "half", "bfloat16", "double", "type_as", "contiguous", "clone", "detach",
+                             "dropout", "_to_copy", "native_dropout"})
+_POINTWISE: dict[str, bool] = {}
+
+
+def _pointwise(func: Callable[..., Any]) -> bool:
+    """An elementwise op (ATen's ``pointwise`` tag, looked up by name for the user's calls): it acts
+    on each element where it lies, so it keeps a rank order as it is."""
+    if hasattr(func, "overloadpacket"):  # an ATen overload (a traced pipeline stage's call)
+        return torch.Tag.pointwise in func.tags or func.overloadpacket.__name__ in _LAYOUT_KEEPING
+    name = getattr(func, "__name__", "").strip("_")
+    if name not in _POINTWISE:
+        packet = getattr(_ATEN, name, None)
+        _POINTWISE[name] = name in _LAYOUT_KEEPING or (packet is not None and any(
+            torch.Tag.pointwise in getattr(packet, o).tags for o in packet.overloads()))
+    return _POINTWISE[name]
+
+
+def elementwise_rank_ordered(func: Callable[..., Any], args: tuple, kwargs: dict, call: Callable[..., Any]) -> Any:
+    """An elementwise op on one rank-ordered tensor (DBRX clamps its ``[q | k | v]`` before cutting it)
+    run on it as it is, its output marked alike; None when that is not the call."""
+    x = args[0] if args else None
+    order = rank_order(x)
+    if order is None or not _pointwise(func) or any(isinstance(a, Tensor) for a in (*args[1:], *kwargs.values())):
+        return None
+    out = call(func, args, kwargs)
+    if isinstance(out, DTensor) and out.shape == x.shape and out.placements == x.placements:
+        return mark(out, order)
+    return call(func, (natural_value(x), *args[1:]), kwargs)  # it did not keep the layout: on the whole value
+
+
 def _marked(value: Any) -> bool:
     if isinstance(value, (list, tuple)):
         return any(rank_order(v) is not None for v in value)
@@ -203,5 +258,5 @@ class RankOrderedColwise(FusedColwiseParallel):
         return mark(out, order) if order is not None and isinstance(out, DTensor) else out
 
 
-__all__ = ["RankOrder", "RankOrderedColwise", "full_natural", "cut_rank_ordered", "mark", "mark_linear_output", "natural_arguments", "natural_value", "rank_order",
+__all__ = ["RankOrder", "RankOrderedColwise", "carry", "elementwise_rank_ordered", "full_natural", "mark_states", "stored_whole", "cut_rank_ordered", "mark", "mark_linear_output", "natural_arguments", "natural_value", "rank_order",
            "rank_ordered_linear"]

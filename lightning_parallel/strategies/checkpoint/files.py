@@ -55,7 +55,8 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim import Optimizer
 
 from lightning_parallel.compat import process_group_device
-from lightning_parallel.parallel.tensor.fused import checkpoint_layout, restore_layout
+from lightning_parallel.parallel.tensor.checkpoint_layout import checkpoint_layout, restore_layout
+from lightning_parallel.parallel.tensor.rank_order_state import full_states_stored, model_order, optimizer_model_order
 from lightning_parallel.parallel.data.zero1 import full_optimizer_state
 from lightning_parallel.strategies.checkpoint.safe_load import dcp_load, load_file, read_metadata, read_on_rank0
 
@@ -90,8 +91,9 @@ def is_sharded_checkpoint(path: Path) -> bool:
 
 
 def model_state(module: nn.Module, full: bool) -> dict[str, Any]:
-    """FQN-keyed model state; with ``full`` the tensors are consolidated on rank 0 (CPU)."""
-    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=full, cpu_offload=full))
+    """FQN-keyed model state; with ``full`` the tensors are consolidated on rank 0 (CPU). Always in
+    the model's order (rank-ordered parameters: :mod:`~lightning_parallel.parallel.tensor.rank_order_state`)."""
+    return model_order(get_model_state_dict(module, options=StateDictOptions(full_state_dict=full, cpu_offload=full)), module)
 
 
 def _param_names(module: nn.Module) -> dict[int, str]:
@@ -164,7 +166,8 @@ def optimizer_state(module: nn.Module, optimizer: Optimizer, full: bool) -> dict
         order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
         groups = [{**g, "params": [order[i] for i in g["params"]]} for g in indexed["param_groups"]]
         return {"state": {order[i]: s for i, s in indexed["state"].items()}, "param_groups": groups}
-    return get_optimizer_state_dict(module, optimizer, options=StateDictOptions(full_state_dict=full, cpu_offload=full))
+    state = get_optimizer_state_dict(module, optimizer, options=StateDictOptions(full_state_dict=full, cpu_offload=full))
+    return optimizer_model_order(state, module)
 
 
 def _load_zero1_state(module: nn.Module, optimizer: ZeroRedundancyOptimizer, state: dict[str, Any]) -> None:
@@ -362,4 +365,5 @@ def _load_full_optimizer_state(module: nn.Module, optimizer: Optimizer, state: d
         for group, saved in zip(optimizer.param_groups, state.get("param_groups", [])):
             group.update({k: v for k, v in saved.items() if k != "params"})
     else:
+        state = full_states_stored(state, module, optimizer=True)
         set_optimizer_state_dict(module, optimizer, state, options=StateDictOptions(full_state_dict=True))

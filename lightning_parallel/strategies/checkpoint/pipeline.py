@@ -38,7 +38,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim import Optimizer
 
 from lightning_parallel.parallel.pipeline.tensor import full_value
-from lightning_parallel.parallel.tensor.fused import checkpoint_layout, restore_layout
+from lightning_parallel.parallel.tensor.checkpoint_layout import checkpoint_layout, restore_layout
+from lightning_parallel.parallel.tensor.rank_order import carry, mark_states, stored_whole
 from lightning_parallel.strategies.checkpoint.files import check_shapes
 from lightning_parallel.strategies.checkpoint.safe_load import dcp_load, load_file, read_metadata, read_on_rank0
 
@@ -62,7 +63,7 @@ def _entries(module: nn.Module) -> list[tuple[str, str, Tensor]]:
 
 def kept_model_state(module: nn.Module, keepers: dict[str, int], me: int) -> dict[str, Tensor]:
     """The state-dict entries pipeline rank ``me`` keeps, as it holds them (DTensor shards stay shards)."""
-    return {key: value.detach() for key, name, value in _entries(module) if keepers.get(name, 0) == me}
+    return {key: carry(value, value.detach()) for key, name, value in _entries(module) if keepers.get(name, 0) == me}
 
 
 def _param_groups(module: nn.Module, optimizer: Optimizer) -> tuple[list[dict[str, Any]], list[tuple[nn.Parameter, str]]]:
@@ -89,7 +90,7 @@ def kept_optimizer_state(module: nn.Module, optimizer: Optimizer, keepers: dict[
     released (restored before the stages were traced), which must not reach the checkpoint.
     """
     groups, params = _param_groups(module, optimizer)
-    state = {name: dict(optimizer.state[p]) for p, name in params
+    state = {name: mark_states(p, dict(optimizer.state[p])) for p, name in params  # rank_order.py
              if keepers.get(name, 0) == me and optimizer.state.get(p)}
     return {"state": state, "param_groups": groups}
 
@@ -201,7 +202,8 @@ def init_held_state(optimizer: Optimizer, held: list[nn.Parameter]) -> None:
 def _place(target: Tensor, full: Tensor) -> None:
     """Copy this rank's part of ``full`` into ``target`` (a DTensor keeps its slice)."""
     if isinstance(target, DTensor):
-        local = distribute_tensor(full.to(target.device), target.device_mesh, target.placements, src_data_rank=None)
+        whole = stored_whole(target, full.to(target.device))  # rank-ordered parameters (Phi-3's qkv_proj)
+        local = distribute_tensor(whole, target.device_mesh, target.placements, src_data_rank=None)
         target.to_local().copy_(local.to_local())
     else:
         target.copy_(full)
@@ -229,7 +231,7 @@ def place_full_optimizer_state(module: nn.Module, optimizer: Optimizer, saved: d
         if name not in state:
             del optimizer.state[p]  # saved before it stepped: start fresh
             continue
-        live = optimizer.state[p]
+        live = mark_states(p, optimizer.state[p])
         for k, value in state[name].items():
             if isinstance(value, Tensor) and isinstance(live.get(k), Tensor):
                 _place(live[k], value)
@@ -248,7 +250,7 @@ def load_held_sharded(module: nn.Module, optimizers: Iterable[Optimizer], path: 
     metadata = read_metadata(path, weights_only).state_dict_metadata
     full_states = full_states or {}
     held = held_names(module, released)
-    model = {key: value.detach() for key, name, value in _entries(module) if name in held}
+    model = {key: carry(value, value.detach()) for key, name, value in _entries(module) if name in held}
     found = {k[len(MODEL_PREFIX):]: tuple(v.size) for k, v in metadata.items() if k.startswith(MODEL_PREFIX) and hasattr(v, "size")}
     check_shapes({k: tuple(v.shape) for k, v in model.items()}, found, path)
     missing = sorted(k for k in model if k not in found)
@@ -279,7 +281,7 @@ def load_held_sharded(module: nn.Module, optimizers: Iterable[Optimizer], path: 
                 continue
             for k, key in keys.items():
                 if key in metadata:
-                    template[key] = entries[k].detach() if isinstance(entries[k], Tensor) else entries[k]
+                    template[key] = carry(mark_states(p, entries)[k], entries[k].detach()) if isinstance(entries[k], Tensor) else entries[k]
                     if not isinstance(entries[k], Tensor):
                         values.append((entries, k, key))
     # Packed tensor-parallel parameters (_StridedShard) are read as plain Shard (one box per rank) and put back.
@@ -322,7 +324,7 @@ def load_held_consolidated(module: nn.Module, optimizers: list[Optimizer], path:
         path, lambda: load_file(path, weights_only, mmap=True), _consolidated_header)
     checkpoint: dict[str, Any] = loaded or {}
     held = held_names(module, released)
-    targets = {key: value.detach() for key, name, value in _entries(module) if name in held}
+    targets = {key: carry(value, value.detach()) for key, name, value in _entries(module) if name in held}
     check_shapes({k: tuple(v.shape) for k, v in targets.items()}, {k: s for k, (s, _) in model_layout.items()}, path)
     missing = sorted(k for k in targets if k not in model_layout)
     if missing and strict:
@@ -360,7 +362,7 @@ def load_held_consolidated(module: nn.Module, optimizers: list[Optimizer], path:
                         continue
                     full = receive(spec[0], spec[1], lambda: checkpoint["optimizer_states"][idx]["state"][name][k])
                     if live is not None and isinstance(live.get(k), Tensor):
-                        _place(live[k], full)
+                        _place(mark_states(p, live)[k], full)
                     elif live is not None:
                         live[k] = full.cpu() if full.dim() == 0 else full
             for p, name in params:

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_parallel.parallel.pipeline.tensor import full_value
+from lightning_parallel.parallel.tensor.rank_order import carry
 from lightning_parallel.strategies.checkpoint import pipeline as pckpt
 from lightning_parallel.strategies.checkpoint.files import ZERO1_KEY, is_sharded_checkpoint, read_rest
 
@@ -49,7 +50,7 @@ class PipelineStateMixin:
                 out[name] = tensor.detach().clone()
                 continue
             shape = runtime.released.get(name, tensor.shape)
-            value = full_value(tensor.detach()).clone() if name not in runtime.released else torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
+            value = full_value(carry(tensor, tensor.detach())).clone() if name not in runtime.released else torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
             dist.broadcast(value, src=dist.get_global_rank(self.group, self._keepers[name]), group=self.group)
             out[name] = value
         return out

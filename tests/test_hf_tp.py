@@ -179,11 +179,11 @@ def test_gpt2_plan_splits_conv1d_and_packs_c_attn() -> None:
 
 
 def test_declared_plans_are_mapped_and_completed() -> None:
-    phi3 = _plan("phi3")  # transformers' own plan: gather the fused outputs, split the next input
+    phi3 = _plan("phi3")  # transformers' own plan gathers the fused outputs and splits the next input ...
     assert phi3.source == "declared"
-    assert phi3.styles["model.model.layers.0.self_attn.qkv_proj"] == "colwise_gather_output"
-    assert phi3.styles["model.model.layers.0.self_attn.o_proj"] == "rowwise_split_input"
-    # ... except where the dataflow pairs the same modules: one column/row pair (tests/test_tp_packed_parts.py)
+    # ... run as column/row pairs where the dataflow pairs the same modules (tests/test_tp_packed_parts.py)
+    assert phi3.styles["model.model.layers.0.self_attn.qkv_proj"] == "colwise"
+    assert phi3.styles["model.model.layers.0.self_attn.o_proj"] == "rowwise"
     assert phi3.styles["model.model.layers.0.mlp.down_proj"] == "rowwise"
     mixtral = _plan("mixtral")  # moe_tp_experts (+ packed_colwise / rowwise on its parameters)
     assert mixtral.styles["model.model.layers.0.mlp.experts"] == "moe_tp_experts"

@@ -82,7 +82,9 @@ def test_packed_parts_are_cut_locally_on_two_ranks() -> None:
 def test_declared_gather_split_pairs_run_as_column_row_pairs() -> None:
     """Phi-3 declares its packed ``gate_up_proj`` gathered and ``down_proj`` re-split: run as one
     column/row pair. Its ``qkv_proj`` packs q, k and v of unequal sizes (grouped-query attention:
-    4 query heads, 2 key/value heads), which no per-part split expresses: it stays as declared."""
+    4 query heads, 2 key/value heads), found from the model's three slices: without FSDP2 beside tp
+    it is split per part in rank order (``parallel/tensor/rank_order.py``), beside FSDP2 plainly
+    (DTensor gathers where it is cut); either way the declared gather/re-split pair runs as colwise/rowwise."""
     from lightning_parallel.parallel.tensor.plan import resolve_tp_plan
 
     model = HFCausalLM(family="phi3", n_layer=2)
@@ -90,7 +92,13 @@ def test_declared_gather_split_pairs_run_as_column_row_pairs() -> None:
     for composable in (True, False):
         plan = resolve_tp_plan(model, 2, fsdp_composable=composable)
         assert plan.styles[f"{mlp}.gate_up_proj"] == "colwise" and plan.styles[f"{mlp}.down_proj"] == "rowwise"
-        assert plan.styles[f"{attn}.qkv_proj"] == "colwise_gather_output" and plan.styles[f"{attn}.o_proj"] == "rowwise_split_input"
+        assert plan.styles[f"{attn}.qkv_proj"] == "colwise" and plan.styles[f"{attn}.o_proj"] == "rowwise"
+        config = model.model.config
+        head_dim = config.hidden_size // config.num_attention_heads
+        sizes = (config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim, config.num_key_value_heads * head_dim)
+        assert sizes[0] != sizes[1]
+        assert plan.packed_sizes.get(f"{attn}.qkv_proj") == (None if composable else sizes), plan.packed_sizes
+        assert plan.fraction_sharded > 0.95, plan.table()
         assert any("run as colwise/rowwise" in w for w in plan.warnings), plan.warnings
         # With FSDP2 beside tp a packed nn.Linear is split plainly (FSDP2 does not compose with the
         # per-part split of its own dim); without, its two parts are split each.

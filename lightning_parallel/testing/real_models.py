@@ -89,11 +89,12 @@ class HFCausalLM(pl.LightningModule):
     """
 
     def __init__(self, family: str = "llama", n_layer: int = 4, loss: str = "logits", padding: bool = False,
-                 lr: float = 0.5, gradient_checkpointing: bool = False, config: dict[str, Any] | None = None) -> None:
+                 lr: float = 0.5, gradient_checkpointing: bool = False, config: dict[str, Any] | None = None,
+                 momentum: float = 0.0) -> None:
         super().__init__()
         if loss not in ("logits", "labels"):
             raise ValueError(f"loss={loss!r} must be 'logits' or 'labels'")
-        self.family, self.loss_kind, self.padding, self.lr = family, loss, padding, lr
+        self.family, self.loss_kind, self.padding, self.lr, self.momentum = family, loss, padding, lr, momentum
         if "/" in family:
             import transformers
 
@@ -133,7 +134,7 @@ class HFCausalLM(pl.LightningModule):
         self.log("test_loss", self._step_loss(batch), sync_dist=True)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=self.lr)
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum)
 
 
 def padded_token_data(num_samples: int = 128, block_size: int = 16, vocab_size: int = VOCAB, seed: int = 0) -> TensorDataset:

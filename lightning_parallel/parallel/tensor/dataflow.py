@@ -66,6 +66,7 @@ class _Pass(Rules):
         self.rows: list[tuple[str, str, str]] = []  # (group, row linear, origin of the split it reads)
         self.dead: set[str] = set()
         self.pack_requests: dict[str, int | tuple[int, ...]] = {}
+        self.features: dict[str, int] = {}
         self.order: list[str] = []
         self.reaching: set[str] = set()
 
@@ -145,6 +146,7 @@ class _Pass(Rules):
             return
         parts = self.packing.get(call.name, 1)
         features = call.output.shape[-1] if call.output.shape else 0
+        self.features[call.name] = features
         if isinstance(parts, tuple):
             if any(size % self.tp for size in parts):
                 self.set(call.output, None)

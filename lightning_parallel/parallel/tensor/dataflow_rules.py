@@ -126,6 +126,7 @@ class Rules:
 
     tp: int
     pack_requests: dict[str, int | tuple[int, ...]]
+    features: dict[str, int]  # output features of each linear seen so far
 
     def tag(self, ref: Any) -> Tag | None:  # pragma: no cover - the walk's
         raise NotImplementedError
@@ -306,15 +307,20 @@ class Rules:
             if len(sizes) == 1:
                 return t
             return Tag(t.dim, 1, t.group, t.origin)
+        # The cut may be along a reshaped dim (heads): the packing is asked in the origin's output features.
+        features = self.features.get(t.origin, size)
+        if features % size:
+            raise Broken([t], f"a cut [{start}:{end}] of a reshaped split dimension ({size} of {features} features)")
+        scale = features // size
         asked = self.pack_requests.get(t.origin)  # another cut of this pass: pack at both
         if asked is not None:
-            asked_sizes = asked if isinstance(asked, tuple) else (size // asked,) * asked
-            edges += [sum(asked_sizes[:i]) for i in range(len(asked_sizes) + 1)]
+            asked_sizes = asked if isinstance(asked, tuple) else (features // asked,) * asked
+            edges += [sum(asked_sizes[:i]) // scale for i in range(len(asked_sizes) + 1)]
         cut = sorted(set(edges) | {start, end})
         new = tuple(b - a for a, b in zip(cut, cut[1:]))
         if new == sizes:
             raise Broken([t], f"a cut [{start}:{end}] spans several parts {sizes} of a fused output")
-        self.pack_requests[t.origin] = new if len(set(new)) > 1 else len(new)
+        self.pack_requests[t.origin] = tuple(n * scale for n in new) if len(set(new)) > 1 else len(new)
         raise Broken([], "packing requested")
 
     def cat(self, name: str, bound: dict, out: Ref) -> Tag | None:

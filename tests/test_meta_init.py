@@ -132,6 +132,8 @@ def test_meta_init_two_ranks_every_layout() -> None:
         ("zero3 llama", _hf("llama", "zero3", 2), "init_module", 0.55),
         ("zero2 gpt2 (tied embeddings)", _hf("gpt2", "zero2", 2), "init_module", 0.55),
         ("tp2 llama", _hf("llama", "tp", 2), "meta", 0.6),
+        # Phi-3's qkv_proj stored in rank order (parallel/tensor/rank_order.py): initialised in the model's order
+        ("tp2 phi3", _hf("phi3", "tp", 2), "init_module", 0.6),
         ("ep2 mixtral", _hf("mixtral", {"class": HYBRID, "expert_parallel_size": 2}, 2), "init_module", 0.85),
         ("pp2 llama (traced on meta, own stage only)", _hf("llama", "pp", 2), "init_module", 0.62),
     ]

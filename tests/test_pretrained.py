@@ -121,10 +121,12 @@ def run_loaded_and_wrapped(cases: list[tuple[str, str, str]], devices: int, wrap
 
 def test_sharded_safetensors_into_zero3_tp_and_ep_give_single_process_logits(tmp_path: Path) -> None:
     """Llama under zero3 and tp2; Mixtral (per-expert checkpoint, fused model) under ep2 and tp2
-    (``gate_up_proj`` packed ``_StridedShard``): every rank reads exactly the bytes it holds."""
+    (``gate_up_proj`` packed ``_StridedShard``); Phi-3 under tp2 (``qkv_proj`` stored in rank order:
+    a rank's rows are three runs of the file's tensor): every rank reads exactly the bytes it holds."""
     llama, mixtral = _save("llama", tmp_path / "llama"), _save("mixtral", tmp_path / "mixtral")
     assert len(list(llama.glob("*.safetensors"))) > 2 and (llama / "model.safetensors.index.json").is_file()
-    runs = (("zero3", llama, 0.6), ("tp", llama, 0.65), ("ep", mixtral, 0.6), ("tp", mixtral, 0.55))
+    phi3 = _save("phi3", tmp_path / "phi3")  # its qkv_proj stored in rank order: three runs of rows per rank
+    runs = (("zero3", llama, 0.6), ("tp", llama, 0.65), ("ep", mixtral, 0.6), ("tp", mixtral, 0.55), ("tp", phi3, 0.65))
     references = [_reference(path) for _, path, _ in runs]
     total_mixtral = sum(v.nbytes for v in references[2][0].values())
     cases = [(strategy, path.name, str(path)) for strategy, path, _ in runs]

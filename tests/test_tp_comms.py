@@ -165,7 +165,9 @@ def test_packed_projections_and_experts_reduce_once() -> None:
     (each cost one all-gather per layer, three for Bloom's ``baddbmm``). GPT-OSS: experts with biases,
     transposed, gate and up interleaved, split over tp (its down-projection bias counted on one rank);
     its attention sinks split with the heads (``head_parameters``; whole, the ``cat`` with the split
-    scores gathered them); the probabilities it returns, a slice of the softmax, not gathered."""
+    scores gathered them); the probabilities it returns, a slice of the softmax, not gathered. Phi-3's
+    grouped-query ``qkv_proj`` (q, k and v of unequal sizes) split per part in rank order
+    (``parallel/tensor/rank_order.py``): its output and gradient were gathered once per layer each way."""
     from lightning_parallel.coverage import MODELS
 
     def spec(name: str, layout: str) -> Any:
@@ -175,8 +177,8 @@ def test_packed_projections_and_experts_reduce_once() -> None:
                                    callbacks=[("lightning_parallel.testing.comm_counts:CommCounter", {"model": name, "layout": layout})])
 
     cases = [("gpt2", "tp2"), ("mixtral", "tp2"), ("qwen2_moe", "tp2"), ("bart", "tp2"), ("gptj", "tp2"), ("bloom", "tp2"),
-             ("mpt", "tp2"), ("gpt_oss", "tp2")]
-    staged = [("gpt2", "tp2 x pp2"), ("bloom", "tp2 x pp2"), ("gpt_oss", "tp2 x pp2")]
+             ("mpt", "tp2"), ("gpt_oss", "tp2"), ("phi3", "tp2")]
+    staged = [("gpt2", "tp2 x pp2"), ("bloom", "tp2 x pp2"), ("gpt_oss", "tp2 x pp2"), ("phi3", "tp2 x pp2")]
     results = [run_distributed(_stage_counts, 2, [spec(n, l) for n, l in cases], init_backend=None, timeout=400),
                run_distributed(_stage_counts, 4, [spec(n, l) for n, l in staged], init_backend=None, timeout=400)]
     for rank_results, names in zip(results, (cases, staged), strict=True):
@@ -203,7 +205,7 @@ def test_sequence_parallel_hf_models_at_the_minimum() -> None:
     from lightning_parallel.coverage import MODELS
 
     strategy = {"class": "lightning_parallel:HybridParallelStrategy", "tensor_parallel_size": 2, "sequence_parallel": True}
-    names = ["llama", "bert", "bart", "gptj", "gpt_bigcode", "bloom", "opt"]
+    names = ["llama", "bert", "bart", "gptj", "gpt_bigcode", "bloom", "opt", "phi3"]
     specs = [dataclasses.replace(MODELS[name], strategy=strategy, devices=2, max_steps=2, trainer_kwargs={},
                                  callbacks=[("lightning_parallel.testing.comm_counts:CommCounter", {"model": name, "layout": "tp2 sp"})])
              for name in names]

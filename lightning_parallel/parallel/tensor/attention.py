@@ -52,9 +52,8 @@ from lightning_parallel.parallel.errors import config_error
 from lightning_parallel.parallel.tensor.attention_weights import drop_unrequested_weights, head_split_probabilities, mark_probabilities
 from lightning_parallel.parallel.tensor.flat_stream import stream_norm, stream_view
 from lightning_parallel.parallel.tensor.fused import slice_packed, split_packed
-from lightning_parallel.parallel.tensor.rank_order import (
-    cut_rank_ordered, elementwise_rank_ordered, full_natural, mark_linear_output, natural_arguments, rank_order, rank_ordered_linear,
-)
+from lightning_parallel.parallel.tensor.rank_order import (cut_rank_ordered, elementwise_rank_ordered, full_natural,
+                                                          mark_linear_output, natural_arguments, rank_order, rank_ordered_linear)
 from lightning_parallel.parallel.tensor.merged_heads import local_baddbmm
 from lightning_parallel.parallel.tensor.head_bias import derived_cut, head_cut, note_derived
 from lightning_parallel.parallel.tensor.region_inputs import (

@@ -37,7 +37,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel
 
 from lightning_parallel.parallel.tensor.fused import FusedColwiseParallel, slice_bounds, split_args
 
@@ -253,9 +252,12 @@ class RankOrderedColwise(FusedColwiseParallel):
     @staticmethod
     def _prepare_output_fn(output_layouts: Any, use_local_output: bool, mod: nn.Module, outputs: Any,
                            device_mesh: DeviceMesh) -> Any:
-        order = rank_order(outputs)  # torch's redistribute to the same placement returns a new, unmarked DTensor
-        out = ColwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
-        return mark(out, order) if order is not None and isinstance(out, DTensor) else out
+        # As torch's colwise output (use_local_output is False here), keeping the mark: a redistribute,
+        # even to the same placement under another dim index, returns a new DTensor.
+        order = rank_order(outputs)
+        if tuple(outputs.placements) != tuple(output_layouts):
+            outputs = outputs.redistribute(placements=output_layouts)
+        return mark(outputs, order) if order is not None else outputs
 
 
 __all__ = ["RankOrder", "RankOrderedColwise", "carry", "elementwise_rank_ordered", "full_natural", "mark_states", "stored_whole", "cut_rank_ordered", "mark", "mark_linear_output", "natural_arguments", "natural_value", "rank_order",

@@ -93,11 +93,13 @@ PHI3 = FitSpec(
     max_steps=6,
 )
 TP2 = {"tensor_parallel_size": 2}
+TP_PP = {"tensor_parallel_size": 2, "pipeline_parallel_size": 2, "microbatches": 2}
 
 
 @pytest.mark.slow
 def test_phi3_tp2_checkpoints_resume_in_other_layouts(tmp_path: Path) -> None:
-    """tp2 -> one process (sharded directory, consolidated file) and one process -> tp2 (file)."""
+    """tp2 and tp2 x pp2 -> one process (sharded directory, consolidated file); one process -> tp2 and
+    tp2 x pp2 (file)."""
     reference = _run([PHI3], 1)[0]
     sharded_a, sharded_b = _phases(PHI3, tmp_path / "tp.ckpt", TP2, {}, True)
     full_a, full_b = _phases(PHI3, tmp_path / "tp-full.ckpt", TP2, {}, False)
@@ -108,6 +110,14 @@ def test_phi3_tp2_checkpoints_resume_in_other_layouts(tmp_path: Path) -> None:
         torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(reference["losses"][:3]), rtol=1e-5,
                                    atol=0, msg=lambda m: f"{label}, first epoch: {m}")
     _assert_continues(saved[2], reference, "1 -> tp2 (file)")
-    resumed = _run([sharded_b, full_b], 1)
-    _assert_continues(resumed[0], reference, "tp2 -> 1 (sharded)")
-    _assert_continues(resumed[1], reference, "tp2 -> 1 (file)")
+    # tp2 x pp2 (the stages' own tensor parallelism: each stage's rank-ordered parameters and states,
+    # saved from and loaded into the ranks keeping them): saves, and a one-process file resumed there.
+    staged_a, staged_b = _phases(PHI3, tmp_path / "3d.ckpt", TP_PP, {}, True)
+    staged_full_a, staged_full_b = _phases(PHI3, tmp_path / "3d-full.ckpt", TP_PP, {}, False)
+    _, single_on_3d = _phases(PHI3, tmp_path / "single.ckpt", {}, TP_PP, False)
+    staged = _run([staged_a, staged_full_a, single_on_3d], 4)
+    _assert_continues(staged[2], reference, "1 -> tp2 x pp2 (file)")
+    resumed = _run([sharded_b, full_b, staged_b, staged_full_b], 1)
+    for result, label in zip(resumed, ("tp2 -> 1 (sharded)", "tp2 -> 1 (file)", "tp2 x pp2 -> 1 (sharded)",
+                                       "tp2 x pp2 -> 1 (file)")):
+        _assert_continues(result, reference, label)

@@ -53,7 +53,7 @@ from lightning_parallel.parallel.errors import config_error
 from lightning_parallel.parallel.pipeline.shard_crossing import crossing_inputs, embed_shard, split_dim
 from lightning_parallel.parallel.tensor.apply import _grad_to_param_layout
 from lightning_parallel.parallel.tensor.attention import ReplicateMixedMode, full_value
-from lightning_parallel.parallel.tensor.rank_order import RankOrder, mark
+from lightning_parallel.parallel.tensor.rank_order import RankOrder, mark, mark_states, stored_whole
 from lightning_parallel.parallel.tensor.fused import packed_placement
 from lightning_parallel.parallel.tensor.plan import TensorParallelPlan
 from lightning_parallel.parallel.tensor.shards import plan_param_shard
@@ -446,12 +446,13 @@ def swap_optimizer_parameters(optimizers: Iterable[Optimizer], mapping: dict[nn.
         for old, new in mapping.items():
             if old not in optimizer.state:
                 continue
-            state = optimizer.state.pop(old)
+            state = mark_states(old, optimizer.state.pop(old))  # a rank-ordered parameter's (rank_order.py)
             for key, value in state.items():
                 if isinstance(value, Tensor) and isinstance(new, DTensor) and value.shape == old.shape and value.dim() > 0:
-                    # Already laid out (tensor-parallel state meeting ZeRO's new parameters): from the whole value.
+                    # Already laid out (tensor-parallel state meeting ZeRO's new parameters): from the whole value,
+                    # in the model's order, then in the new parameter's (stored in rank order, it needs that too).
                     whole = full_value(value) if isinstance(value, DTensor) else value
-                    state[key] = distribute_tensor(whole, new.device_mesh, new.placements, src_data_rank=None)
+                    state[key] = distribute_tensor(stored_whole(new, whole), new.device_mesh, new.placements, src_data_rank=None)
             optimizer.state[new] = state
 
 

@@ -274,13 +274,13 @@ class Rules:
             if bound.get("step", 1) != 1 or width <= 0:
                 raise Broken([t], f"a slice [{start}:{end}:{bound.get('step', 1)}] of the split dimension ({size})")
             if size % width or start % width or isinstance(t.parts, tuple):
-                return [self.unequal_part(t, size, (start, end))]
+                return self.unequal_parts(t, size, [(start, end)])
             widths = [width]
         else:
             widths = [o.shape[d] for o in outs if o is not None]
             if widths and sum(widths) == size and (len(set(widths)) != 1 or isinstance(t.parts, tuple)):
                 bounds = [sum(widths[:i]) for i in range(len(widths) + 1)]
-                return [self.unequal_part(t, size, (a, b)) for a, b in zip(bounds, bounds[1:])]
+                return self.unequal_parts(t, size, list(zip(bounds, bounds[1:])))
         parts = size // widths[0] if widths and widths[0] else 0
         if not widths or len(set(widths)) != 1 or parts * widths[0] != size:
             raise Broken([t], f"the split dimension is cut into parts {widths} that do not cover it")
@@ -290,36 +290,34 @@ class Rules:
             return [Tag(t.dim, 1, t.group, t.origin) if o is not None else None for o in outs]
         # Not packed (or packed otherwise): pack the origin's output at these bounds, then retry.
         bounds = [start, end] if name in ("slice", "narrow") else [i * widths[0] for i in range(len(widths) + 1)]
-        return [self.unequal_part(t, size, (a, b)) for a, b in zip(bounds, bounds[1:])]
+        return self.unequal_parts(t, size, list(zip(bounds, bounds[1:])))
 
-    def unequal_part(self, t: Tag, size: int, bounds: tuple[int, int]) -> Tag:
-        """The tag of ``[start:end)`` of a split dim cut into parts of different sizes (Phi-3's
+    def unequal_parts(self, t: Tag, size: int, cuts: list[tuple[int, int]]) -> list[Tag]:
+        """The tags of the cuts ``[start:end)`` of a split dim packing parts, equal or not (Phi-3's
         grouped-query ``[q | k | v]``: ``qkv[..., :q_end]``...).
 
-        A part of the origin's packed sizes is split like any output (each rank holds its slice of
-        every part, :mod:`~lightning_parallel.parallel.tensor.rank_order`); a cut that is not one
-        yet asks for the origin's output to be packed at these bounds too, and the walk retries.
+        A cut that is one part of the origin's packing is split like any output (each rank holds its
+        slice of every part: ``_StridedShard`` for equal parts, rank order for unequal ones,
+        :mod:`~lightning_parallel.parallel.tensor.rank_order`); otherwise the origin's output is asked
+        to be packed at these bounds too (with any other cut of this pass), and the walk retries.
         """
         sizes = t.parts if isinstance(t.parts, tuple) else (size // t.parts,) * t.parts
         edges = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
-        start, end = bounds
-        if start in edges and end in edges and edges.index(end) == edges.index(start) + 1:
-            if len(sizes) == 1:
-                return t
-            return Tag(t.dim, 1, t.group, t.origin)
+        if all(a in edges and b in edges and edges.index(b) == edges.index(a) + 1 for a, b in cuts):
+            return [t if len(sizes) == 1 else Tag(t.dim, 1, t.group, t.origin) for _ in cuts]
         # The cut may be along a reshaped dim (heads): the packing is asked in the origin's output features.
         features = self.features.get(t.origin, size)
         if features % size:
-            raise Broken([t], f"a cut [{start}:{end}] of a reshaped split dimension ({size} of {features} features)")
+            raise Broken([t], f"cuts {cuts} of a reshaped split dimension ({size} of {features} features)")
         scale = features // size
-        asked = self.pack_requests.get(t.origin)  # another cut of this pass: pack at both
+        asked = self.pack_requests.get(t.origin)
         if asked is not None:
             asked_sizes = asked if isinstance(asked, tuple) else (features // asked,) * asked
             edges += [sum(asked_sizes[:i]) // scale for i in range(len(asked_sizes) + 1)]
-        cut = sorted(set(edges) | {start, end})
-        new = tuple(b - a for a, b in zip(cut, cut[1:]))
+        bounds = sorted(set(edges) | {x for cut in cuts for x in cut})
+        new = tuple(b - a for a, b in zip(bounds, bounds[1:]))
         if new == sizes:
-            raise Broken([t], f"a cut [{start}:{end}] spans several parts {sizes} of a fused output")
+            raise Broken([t], f"cuts {cuts} span several parts {sizes} of a fused output")
         self.pack_requests[t.origin] = tuple(n * scale for n in new) if len(set(new)) > 1 else len(new)
         raise Broken([], "packing requested")
 

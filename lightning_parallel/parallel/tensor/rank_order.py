@@ -87,6 +87,7 @@ def rank_order(x: Any) -> RankOrder | None:
 
 
 def mark(x: DTensor, order: RankOrder) -> DTensor:
+    """Mark ``x`` as stored in ``order`` (an attribute of this DTensor object: a detached copy needs :func:`carry`)."""
     setattr(x, _ATTR, order)
     return x
 
@@ -260,5 +261,8 @@ class RankOrderedColwise(FusedColwiseParallel):
         return mark(outputs, order) if order is not None else outputs
 
 
-__all__ = ["RankOrder", "RankOrderedColwise", "carry", "elementwise_rank_ordered", "full_natural", "mark_states", "stored_whole", "cut_rank_ordered", "mark", "mark_linear_output", "natural_arguments", "natural_value", "rank_order",
-           "rank_ordered_linear"]
+__all__ = [
+    "RankOrder", "RankOrderedColwise", "carry", "cut_rank_ordered", "elementwise_rank_ordered", "full_natural", "mark",
+    "mark_linear_output", "mark_states", "natural_arguments", "natural_value", "rank_order", "rank_ordered_linear",
+    "stored_whole",
+]

@@ -121,3 +121,35 @@ def test_phi3_tp2_checkpoints_resume_in_other_layouts(tmp_path: Path) -> None:
     for result, label in zip(resumed, ("tp2 -> 1 (sharded)", "tp2 -> 1 (file)", "tp2 x pp2 -> 1 (sharded)",
                                        "tp2 x pp2 -> 1 (file)")):
         _assert_continues(result, reference, label)
+
+
+class _SplitGroupedAttention(torch.nn.Module):
+    """Grouped-query attention whose fused projection is clamped, then cut with ``split`` and sizes
+    (DBRX's way; Phi-3 slices): 4 query heads, 2 key/value heads of 4 features."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.qkv, self.out = torch.nn.Linear(width, width + 16), torch.nn.Linear(width, width)
+        self.example_input_array = torch.randn(2, 5, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).clamp(-8.0, 8.0).split([c, 8, 8], dim=-1)
+        q = q.view(b, t, 4, 4).transpose(1, 2)
+        k, v = (z.view(b, t, 2, 4).transpose(1, 2).repeat_interleave(2, dim=1) for z in (k, v))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.out(y.transpose(1, 2).reshape(b, t, c))
+
+
+def test_unequal_parts_found_from_a_split_after_an_elementwise_op() -> None:
+    import warnings
+
+    from lightning_parallel.parallel.tensor.plan import resolve_tp_plan
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        alone = resolve_tp_plan(_SplitGroupedAttention(), 2, fsdp_composable=False)
+        beside_fsdp = resolve_tp_plan(_SplitGroupedAttention(), 2)
+    assert alone.styles == {"qkv": "colwise", "out": "rowwise"}, alone.table()
+    assert alone.packed_sizes == {"qkv": (16, 8, 8)}
+    assert beside_fsdp.styles == alone.styles and beside_fsdp.packed_sizes == {}

@@ -37,7 +37,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from typing_extensions import override
 
 import lightning_parallel
-from lightning_parallel.app.exit_status import RankExitStatus, failures_after_success, take_launched_ranks
+from lightning_parallel.app.exit_status import RankExitStatus, failures_after_success, leave_launched_rank, take_launched_ranks
 from lightning_parallel.callbacks import ParallelismMonitor
 from lightning_parallel.errors import config_error
 from lightning_parallel.strategies import PRESETS, HybridParallelStrategy
@@ -157,6 +157,8 @@ def main(args: Sequence[str] | None = None) -> int:
         save_config_kwargs={"overwrite": True},
         args=None if args is None else expand_presets(list(args)),
     )
+    if args is None:
+        leave_launched_rank()  # a launched rank: no interpreter shutdown (it could abort there)
     return 0
 
 

@@ -98,18 +98,20 @@ TP_PP = {"tensor_parallel_size": 2, "pipeline_parallel_size": 2, "microbatches":
 
 @pytest.mark.slow
 def test_phi3_tp2_checkpoints_resume_in_other_layouts(tmp_path: Path) -> None:
-    """tp2 and tp2 x pp2 -> one process (sharded directory, consolidated file); one process -> tp2 and
-    tp2 x pp2 (file)."""
+    """tp2 and tp2 x pp2 -> one process (sharded directory, consolidated file); one process -> tp2
+    (both) and tp2 x pp2 (file)."""
     reference = _run([PHI3], 1)[0]
     sharded_a, sharded_b = _phases(PHI3, tmp_path / "tp.ckpt", TP2, {}, True)
     full_a, full_b = _phases(PHI3, tmp_path / "tp-full.ckpt", TP2, {}, False)
     single_a, single_b = _phases(PHI3, tmp_path / "single.ckpt", {}, TP2, False)
-    _run([single_a], 1)
-    saved = _run([sharded_a, full_a, single_b], 2)
+    single_sharded_a, single_sharded_b = _phases(PHI3, tmp_path / "single-dir.ckpt", {}, TP2, True)
+    _run([single_a, single_sharded_a], 1)
+    saved = _run([sharded_a, full_a, single_b, single_sharded_b], 2)
     for label, result in zip(("tp2 (sharded save)", "tp2 (file save)"), saved[:2]):
         torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(reference["losses"][:3]), rtol=1e-5,
                                    atol=0, msg=lambda m: f"{label}, first epoch: {m}")
     _assert_continues(saved[2], reference, "1 -> tp2 (file)")
+    _assert_continues(saved[3], reference, "1 -> tp2 (sharded)")
     # tp2 x pp2 (the stages' own tensor parallelism: each stage's rank-ordered parameters and states,
     # saved from and loaded into the ranks keeping them): saves, and a one-process file resumed there.
     staged_a, staged_b = _phases(PHI3, tmp_path / "3d.ckpt", TP_PP, {}, True)

@@ -52,8 +52,7 @@ from lightning_parallel.parallel.errors import config_error
 from lightning_parallel.parallel.tensor.attention_weights import drop_unrequested_weights, head_split_probabilities, mark_probabilities
 from lightning_parallel.parallel.tensor.flat_stream import stream_norm, stream_view
 from lightning_parallel.parallel.tensor.fused import slice_packed, split_packed
-from lightning_parallel.parallel.tensor.rank_order import (cut_rank_ordered, elementwise_rank_ordered, full_natural,
-                                                          mark_linear_output, natural_arguments, rank_order, rank_ordered_linear)
+from lightning_parallel.parallel.tensor.rank_order import full_natural, mark_linear_output, rank_order, rank_ordered_call
 from lightning_parallel.parallel.tensor.merged_heads import local_baddbmm
 from lightning_parallel.parallel.tensor.head_bias import derived_cut, head_cut, note_derived
 from lightning_parallel.parallel.tensor.region_inputs import (
@@ -159,13 +158,10 @@ class ReplicateMixedMode(TorchFunctionMode):
 
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        ordered = cut_rank_ordered(func, args, kwargs)  # Phi-3's [q | k | v] cut into its unequal parts
-        if ordered is None:  # DBRX clamps it first
-            ordered = elementwise_rank_ordered(func, args, kwargs, self._wrapped)
+        # Phi-3's [q | k | v] of unequal parts, stored in rank order: its cuts from the shard, else whole.
+        ordered, args, kwargs = rank_ordered_call(func, args, kwargs, self._wrapped)
         if ordered is not None:
             return ordered
-        if not rank_ordered_linear(func, args, kwargs):  # anything else reads a rank-ordered value whole
-            args, kwargs = natural_arguments(func, args, kwargs)
         args = ungathered(func, args)  # a residual add of a region's gathered input keeps the split stream
         flat = stream_view(func, args, kwargs)  # a stack's stream flattened to tokens, or back: local
         if flat is None:

@@ -143,9 +143,11 @@ def mark_linear_output(func: Callable[..., Any], args: tuple, kwargs: dict, out:
 
 def rank_ordered_linear(func: Callable[..., Any], args: tuple, kwargs: dict) -> bool:
     """``F.linear`` of a rank-ordered weight (its output is marked, not its weight made whole)."""
+    if func not in _LINEARS:
+        return False
     weight = args[1] if len(args) > 1 else kwargs.get("weight")
     x = args[0] if args else kwargs.get("input")
-    return func in _LINEARS and rank_order(weight) is not None and rank_order(x) is None
+    return rank_order(weight) is not None and rank_order(x) is None
 
 
 def _natural_bounds(order: RankOrder) -> list[tuple[int, int]]:
@@ -231,9 +233,26 @@ def _natural(value: Any) -> Any:
 def natural_arguments(func: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """Any rank-ordered DTensor among the arguments (or in a list of them) in the model's order,
     whole: what a call the region does not answer from the shard sees."""
-    if not any(_marked(a) for a in (*args, *kwargs.values())) or getattr(func, "__name__", None) == "__get__":
-        return args, kwargs  # nothing marked, or a property read (``.shape``, ``.device``): no values
+    if getattr(func, "__name__", None) == "__get__":
+        return args, kwargs  # a property read (``.shape``, ``.device``): no values
     return tuple(_natural(a) for a in args), {k: _natural(v) for k, v in kwargs.items()}
+
+
+def rank_ordered_call(func: Callable[..., Any], args: tuple, kwargs: dict,
+                      call: Callable[..., Any]) -> tuple[Any, tuple, dict]:
+    """What a region does with a call that reads a rank-ordered DTensor: ``(result, args, kwargs)``,
+    the result when the call is answered here (a cut into the parts, an elementwise op), else None
+    with the arguments the call should run on (a linear of a rank-ordered weight: as they are;
+    anything else: in the model's order). One scan of the arguments when none is marked, the
+    common case: the region's hot path pays nothing more."""
+    if not any(_marked(a) for a in (*args, *kwargs.values())):
+        return None, args, kwargs
+    out = cut_rank_ordered(func, args, kwargs)
+    if out is None:
+        out = elementwise_rank_ordered(func, args, kwargs, call)
+    if out is not None or rank_ordered_linear(func, args, kwargs):
+        return out, args, kwargs
+    return (None, *natural_arguments(func, args, kwargs))
 
 
 class RankOrderedColwise(FusedColwiseParallel):
@@ -263,6 +282,6 @@ class RankOrderedColwise(FusedColwiseParallel):
 
 __all__ = [
     "RankOrder", "RankOrderedColwise", "carry", "cut_rank_ordered", "elementwise_rank_ordered", "full_natural", "mark",
-    "mark_linear_output", "mark_states", "natural_arguments", "natural_value", "rank_order", "rank_ordered_linear",
-    "stored_whole",
+    "mark_linear_output", "mark_states", "natural_arguments", "natural_value", "rank_order", "rank_ordered_call",
+    "rank_ordered_linear", "stored_whole",
 ]

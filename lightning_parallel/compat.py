@@ -115,10 +115,10 @@ from torch.distributed.pipelining.schedules import _ComputationType as PipelineC
 from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime as PipelineScheduleRuntime
 
 # --- FSDP2 internals ------------------------------------------------------------------------
-# Why: the base class of a custom reduce-scatter (``FSDPModule.set_custom_reduce_scatter``, a
-# public method whose argument type is not exported): on the CPU ours frees the input after the
-# blocking collective (parallel/data/fsdp_host.py). Since: 2.9. Public: none yet.
-from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as FsdpReduceScatter
+# Why: the base classes of a custom all-gather and reduce-scatter (``FSDPModule.set_custom_all_gather``
+# / ``set_custom_reduce_scatter``, public methods whose argument types are not exported): on the CPU
+# ours reuse buffers and free them early (parallel/data/fsdp_host.py). Since: 2.9. Public: none yet.
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather as FsdpAllGather, ReduceScatter as FsdpReduceScatter
 
 # --- nn internals ---------------------------------------------------------------------------
 # Why: one base class for BatchNorm1d/2d/3d (and their lazy forms) to find and replace them for
@@ -331,6 +331,13 @@ def set_fsdp_unshard_async(module: Any, async_op: bool) -> None:
     module._set_unshard_async_op(async_op)
 
 
+def storage_use_count(tensor: Tensor) -> int:
+    """How many holders share ``tensor``'s storage (tensors and views of it, a collective's work, the
+    storage's Python object). Why: a pooled buffer is free again when only the pool holds it
+    (parallel/data/host_buffers.py). Since: 2.4 (2.0's CUDA-graph trees use it). Public: none."""
+    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
+
+
 def module_has_hooks(module: nn.Module) -> bool:
     """Whether calling ``module`` runs hooks of its own (``_forward_hooks``, ``_forward_pre_hooks``, ``_backward_hooks``,
     ``_backward_pre_hooks``). Why: a traced pipeline stage inlines a child's code into its own only when the call does
@@ -410,8 +417,9 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
     PrivateApi("global_module_hooks", "torch.nn.modules.module:_global_forward_hooks", "2.4", "none"),
     PrivateApi("tensor_has_grad_hooks", "torch._tensor:Tensor.register_post_accumulate_grad_hook", "2.4", "none"),
     PrivateApi("FsdpReduceScatter", "torch.distributed.fsdp._fully_shard._fsdp_api:ReduceScatter", "2.9", "none yet"),
-    PrivateApi("set_fsdp_unshard_async", "torch.distributed.fsdp:FSDPModule._set_unshard_async_op", "2.6",
-               "none yet (FSDPModule.unshard(async_op=True))"),
+    PrivateApi("FsdpAllGather", "torch.distributed.fsdp._fully_shard._fsdp_api:AllGather", "2.9", "none yet"),
+    PrivateApi("storage_use_count", "torch:_C._storage_Use_Count", "2.4", "none"),
+    PrivateApi("set_fsdp_unshard_async", "torch.distributed.fsdp:FSDPModule._set_unshard_async_op", "2.6", "none yet (FSDPModule.unshard(async_op=True))"),
     PrivateApi("tree_map", "torch.utils._pytree:tree_map", "2.4", "none yet (optree)"),
     PrivateApi("tree_leaves", "torch.utils._pytree:tree_leaves", "2.4", "none yet (optree)"),
     PrivateApi("tree_flatten", "torch.utils._pytree:tree_flatten", "2.4", "none yet (optree)"),
@@ -423,28 +431,22 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
     PrivateApi("FakeTensor", "torch._subclasses.fake_tensor:FakeTensor", "2.4", "none yet"),
     PrivateApi("FakeTensorMode", "torch._subclasses.fake_tensor:FakeTensorMode", "2.4", "none yet"),
     PrivateApi("TorchDispatchMode", "torch.utils._python_dispatch:TorchDispatchMode", "2.0", "none yet"),
-    PrivateApi("AsyncCollectiveTensor", "torch.distributed._functional_collectives:AsyncCollectiveTensor", "2.4",
-               "none yet"),
+    PrivateApi("AsyncCollectiveTensor", "torch.distributed._functional_collectives:AsyncCollectiveTensor", "2.4", "none yet"),
     PrivateApi("StridedShard", "torch.distributed.tensor.placement_types:_StridedShard", "2.5", "none yet"),
     PrivateApi("compute_local_shape_and_global_offset",
                "torch.distributed.tensor._utils:compute_local_shape_and_global_offset", "2.5", "none yet"),
-    PrivateApi("GraphPipelineStage", "torch.distributed.pipelining.stage:_PipelineStage", "2.4",
-               "build_stage() (not subclassable)"),
+    PrivateApi("GraphPipelineStage", "torch.distributed.pipelining.stage:_PipelineStage", "2.4", "build_stage() (not subclassable)"),
     PrivateApi("GraphPipelineStage._get_init_p2p_neighbors_ops",
                "torch.distributed.pipelining.stage:_PipelineStage._get_init_p2p_neighbors_ops", "2.9", "none"),
     PrivateApi("GraphPipelineStage._create_act_recv_info",
                "torch.distributed.pipelining.stage:_PipelineStage._create_act_recv_info", "2.4", "none"),
     PrivateApi("GraphPipelineStage._create_act_send_info",
                "torch.distributed.pipelining.stage:_PipelineStage._create_act_send_info", "2.4", "none"),
-    PrivateApi("modify_graph_op_device", "torch.distributed.pipelining._IR:_modify_graph_op_device", "2.4",
-               "Pipe.build_stage"),
+    PrivateApi("modify_graph_op_device", "torch.distributed.pipelining._IR:_modify_graph_op_device", "2.4", "Pipe.build_stage"),
     PrivateApi("PipelineAction", "torch.distributed.pipelining.schedules:_Action", "2.4", "none yet"),
-    PrivateApi("PipelineComputationType", "torch.distributed.pipelining.schedules:_ComputationType", "2.4",
-               "none yet"),
-    PrivateApi("PipelineScheduleRuntime", "torch.distributed.pipelining.schedules:_PipelineScheduleRuntime", "2.5",
-               "none yet"),
-    PrivateApi("BatchNormBase", "torch.nn.modules.batchnorm:_BatchNorm", "2.4",
-               "nn.BatchNorm1d/2d/3d (misses subclasses of the base)"),
+    PrivateApi("PipelineComputationType", "torch.distributed.pipelining.schedules:_ComputationType", "2.4", "none yet"),
+    PrivateApi("PipelineScheduleRuntime", "torch.distributed.pipelining.schedules:_PipelineScheduleRuntime", "2.5", "none yet"),
+    PrivateApi("BatchNormBase", "torch.nn.modules.batchnorm:_BatchNorm", "2.4", "nn.BatchNorm1d/2d/3d (misses subclasses of the base)"),
     PrivateApi("assert_tensor_metadata_op", "torch:ops.aten._assert_tensor_metadata.default", "2.4", "none"),
     PrivateApi("foreach_norm", "torch:_foreach_norm", "2.4", "torch.linalg.vector_norm / nn.utils.get_total_norm"),
     PrivateApi("flatten_mesh", "torch.distributed.device_mesh:DeviceMesh._flatten", "2.5", "none yet"),
@@ -474,8 +476,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
     # litdata's, not torch's: "since" names the litdata release they were read from
     PrivateApi("litdata_env_class", "litdata.utilities.env:_DistributedEnv.detect", "litdata 0.2.76",
                "none (StreamingDataset.distributed_env, replaced where the dataset is at hand)"),
-    PrivateApi("litdata_wrapped_datasets", "litdata.utilities.base:_BaseStreamingDatasetWrapper", "litdata 0.2.76",
-               "none"),
+    PrivateApi("litdata_wrapped_datasets", "litdata.utilities.base:_BaseStreamingDatasetWrapper", "litdata 0.2.76", "none"),
 )
 
 #: Private attribute names reached only through the wrappers above (the test rejects ``x.<name>`` and ``getattr(x, "<name>")`` elsewhere).
@@ -483,16 +484,16 @@ PRIVATE_ATTRIBUTES = frozenset({
     "_assert_tensor_metadata", "_backward_hooks", "_backward_pre_hooks", "_datasets", "_flatten", "_foreach_norm", "_forward_hooks",
     "_forward_pre_hooks", "_get_pg_default_device", "_global_forward_hooks", "_local_tensor", "_parse_to", "_post_accumulate_grad_hooks",
     "_reset_parameters", "_resolve_process_group", "_run_with_interpreter", "_schema", "_set_params_and_buffers_to_ignore_for_model",
-    "_set_unshard_async_op", "_stage", "_stages", "_unflatten", "_version",
+    "_set_unshard_async_op", "_stage", "_stages", "_storage_Use_Count", "_unflatten", "_version",
 })
 
 __all__ = [
     "PRIVATE_APIS", "PRIVATE_ATTRIBUTES", "TORCH_LOWER_BOUND", "AsyncCollectiveTensor", "BatchNormBase", "DeviceContext", "FakeTensor", "FakeTensorMode",
-    "FsdpReduceScatter", "GraphPipelineStage", "PipelineAction", "PipelineComputationType", "PipelineScheduleRuntime", "PrivateApi", "StridedShard",
+    "FsdpAllGather", "FsdpReduceScatter", "GraphPipelineStage", "PipelineAction", "PipelineComputationType", "PipelineScheduleRuntime", "PrivateApi", "StridedShard",
     "TreeSpec", "assert_tensor_metadata_op", "checkpoint_module", "compute_local_shape_and_global_offset", "ddp_ignore", "device_constructors",
     "flash_attention_ops", "flatten_mesh", "foreach_norm", "functional_collectives", "global_module_hooks", "litdata_env_class",
     "litdata_wrapped_datasets", "local_tensor", "modify_graph_op_device", "module_has_hooks", "multihead_attention_init", "op_arguments",
     "tensor_has_grad_hooks", "in_backward", "comm_mode_native_ops", "parse_to", "parse_to_device", "process_group_device", "resolve_process_group",
-    "run_generated_code", "set_fsdp_unshard_async", "schedule_stages", "templated_ring_attention", "templated_ring_attention_backward",
+    "run_generated_code", "set_fsdp_unshard_async", "schedule_stages", "storage_use_count", "templated_ring_attention", "templated_ring_attention_backward",
     "torch_ring_rotation", "tree_flatten", "tree_leaves", "tree_map", "tree_unflatten", "unflatten_mesh", "tensor_version", "TorchDispatchMode",
 ]

@@ -1,4 +1,5 @@
-"""FSDP2 on the CPU: no buffers kept for a stream overlap that the CPU does not have.
+"""FSDP2 on the CPU: no buffers kept for a stream overlap that the CPU does not have, none copied
+or allocated again that can be avoided.
 
 Why: FSDP2 keeps buffers alive past their use so that CUDA streams can overlap communication
 with compute: the previous block's reduce-scatter input until the next block's reduce-scatter
@@ -13,29 +14,41 @@ So, for modules whose FSDP2 compute device is the CPU (:func:`release_host_buffe
 * the reduce-scatter goes through a custom comm (``FSDPModule.set_custom_reduce_scatter``) that
   frees its input's storage once the blocking reduce-scatter has returned; FSDP2 still holds
   the tensor object, now empty, until the next block's reduce-scatter;
+* on gloo that reduce-scatter is an all-reduce of the input in place and a copy of this rank's
+  chunk: gloo's own ``reduce_scatter_tensor`` clones its input and all-reduces the clone (torch's
+  ``ProcessGroupGloo::reduce_scatter_tensor_coalesced``), one more unit-sized buffer per unit,
+  faulted in afresh under the pinned mmap threshold. The input is FSDP2's copy of the gradients,
+  discarded afterwards, so the clone protects nothing; the results are bitwise those of gloo's
+  reduce-scatter (``tests/test_fsdp_host_buffers.py``);
 * all-gathers are issued with ``async_op=True`` (``FSDPModule._set_unshard_async_op``): the
   copy-out then frees the flat output at once instead of keeping it for the next block, and the
   backward prefetch of the next block, which FSDP2 issues before the current block's backward,
-  really runs on gloo's worker thread during that backward instead of blocking before it.
+  really runs on gloo's worker thread during that backward instead of blocking before it;
+* their flat outputs come from a :class:`~lightning_parallel.parallel.data.host_buffers.HostBufferPool`
+  (``FSDPModule.set_custom_all_gather``): the copy-out frees the buffer before the next unit's
+  all-gather asks for one, so one buffer per unit size serves every unit, in both directions.
 
 Values are unchanged (the same collectives on the same tensors, in the same order). Measured on
-the 1 GiB GPT of ``benchmarks/bench_memory.py`` (4 CPU ranks, ZeRO-3): see README, "Models
-larger than one device". CUDA keeps FSDP2's defaults: there the buffers buy the overlap.
+the GPTs of ``benchmarks/bench_memory.py`` (4 CPU ranks, ZeRO-3): ``docs/memory.md``. CUDA keeps
+FSDP2's defaults: there the buffers buy the overlap, and the caching allocator recycles them.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-from lightning_parallel.compat import FsdpReduceScatter, set_fsdp_unshard_async
+from lightning_parallel.compat import FsdpAllGather, FsdpReduceScatter, set_fsdp_unshard_async
+from lightning_parallel.parallel.data.host_buffers import HostBufferPool
 
 
 class ReleasingReduceScatter(FsdpReduceScatter):
-    """FSDP2's default reduce-scatter, then (when it blocked until done) its input's storage freed.
+    """FSDP2's reduce-scatter (on gloo: the all-reduce it is made of, in place), then, when it
+    blocked until done, its input's storage freed.
 
     FSDP2 allocates the input (the unsharded gradients, copied in) through :meth:`allocate`, calls
     this, and keeps a reference to the input only to stop a CUDA allocator from reusing it while
@@ -52,26 +65,53 @@ class ReleasingReduceScatter(FsdpReduceScatter):
         op: dist.ReduceOp.RedOpType,
         async_op: bool = False,
     ) -> dist.Work | None:
-        # torch 2.13 renamed reduce_scatter_tensor (deprecated there) to reduce_scatter_single
-        reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        work = reduce_scatter(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+        if async_op or not _is_gloo(group):
+            # torch 2.13 renamed reduce_scatter_tensor (deprecated there) to reduce_scatter_single
+            reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+            work = reduce_scatter(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+        else:
+            work = dist.all_reduce(input_tensor, op=op, group=group)
+            output_tensor.copy_(input_tensor.view(group.size(), -1)[group.rank()].view_as(output_tensor))
         if not async_op:
             input_tensor.untyped_storage().resize_(0)
         return work
 
 
-def release_host_buffers(modules: Iterable[FSDPModule], device: torch.device) -> int:
+class PooledAllGather(FsdpAllGather):
+    """FSDP2's default all-gather, its flat output taken from a :class:`HostBufferPool`."""
+
+    def __init__(self, pool: HostBufferPool) -> None:
+        self.pool = pool
+
+    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return self.pool.take(math.prod(int(s) for s in size), dtype, device).view(*size)
+
+    def __call__(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False,
+    ) -> dist.Work | None:
+        # torch 2.13 renamed all_gather_into_tensor (deprecated there) to all_gather_single
+        all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        return all_gather(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+def _is_gloo(group: dist.ProcessGroup) -> bool:
+    """Whether ``group`` runs CPU collectives on gloo ("gloo", or "cpu:gloo,cuda:nccl")."""
+    backend = str(dist.get_backend(group))
+    return backend == "gloo" or "cpu:gloo" in backend
+
+
+def release_host_buffers(modules: Iterable[FSDPModule], device: torch.device) -> HostBufferPool | None:
     """Apply the CPU settings of the module docstring to every FSDP2 module of ``modules`` whose
-    compute ``device`` is the CPU; a no-op elsewhere (CUDA keeps FSDP2's overlap). Returns how many
-    modules were changed."""
+    compute ``device`` is the CPU; a no-op elsewhere (CUDA keeps FSDP2's overlap). Returns the pool
+    the modules' all-gathers share (one per model: its units share sizes), None where nothing changed."""
     if device.type != "cpu":
-        return 0
-    changed = 0
+        return None
+    pool = HostBufferPool()
     for module in modules:
         module.set_custom_reduce_scatter(ReleasingReduceScatter())
+        module.set_custom_all_gather(PooledAllGather(pool))
         set_fsdp_unshard_async(module, True)
-        changed += 1
-    return changed
+    return pool
 
 
-__all__ = ["ReleasingReduceScatter", "release_host_buffers"]
+__all__ = ["PooledAllGather", "ReleasingReduceScatter", "release_host_buffers"]

@@ -1,6 +1,7 @@
 """FSDP2 on the CPU (``parallel/data/fsdp_host.py``, ``parallel/data/host_buffers.py``): the pooled
 all-gather buffers are handed out again only once nothing else holds them, gloo's reduce-scatter
-done as the in-place all-reduce it is made of gives gloo's results bit for bit, and a sharded model
+done as the in-place all-reduce it is made of and the all-gather as one broadcast per rank give
+gloo's results bit for bit, and a sharded model
 trains to the same parameters with these comms as with FSDP2's own, reusing its buffers."""
 
 from __future__ import annotations
@@ -64,19 +65,22 @@ def _collectives() -> dict[str, Any]:
         out[op_name] = (torch.equal(got, expected), given.untyped_storage().nbytes())
     pool = HostBufferPool()
     gather = PooledAllGather(pool)
-    for _ in range(3):
+    for async_op in (True, True, False):
+        mine = torch.randn(500, generator=gen)
+        expected = torch.empty(world * 500)
+        dist.all_gather_into_tensor(expected, mine)
         output = gather.allocate((world * 500,), dtype=torch.float32, device=CPU)
-        mine = torch.full((500,), float(rank + 1))
-        output.view(world, -1)[rank].copy_(mine)
-        work = gather(output, output.view(world, -1)[rank], dist.group.WORLD, async_op=True)
-        work.wait()
-        out.setdefault("gathered", []).append(torch.equal(output, torch.arange(1, world + 1.0).repeat_interleave(500)))
+        output.view(world, -1)[rank].copy_(mine)  # FSDP2's copy-in
+        work = gather(output, output.view(world, -1)[rank], dist.group.WORLD, async_op=async_op)
+        if async_op:
+            work.wait()
+        out.setdefault("gathered", []).append(torch.equal(output, expected))
         del output, work
     out["pool"] = (pool.fresh, pool.reused)
     return out
 
 
-def test_gloo_reduce_scatter_in_place_is_bitwise_gloos_and_frees_its_input_and_all_gathers_reuse_one_buffer() -> None:
+def test_gloo_collectives_in_place_are_bitwise_gloos_the_input_is_freed_and_all_gathers_reuse_one_buffer() -> None:
     for result in run_distributed(_collectives, 2, timeout=120):
         assert result["SUM"] == (True, 0) and result["AVG"] == (True, 0)
         assert result["gathered"] == [True, True, True]

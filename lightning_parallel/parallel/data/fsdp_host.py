@@ -26,7 +26,9 @@ So, for modules whose FSDP2 compute device is the CPU (:func:`release_host_buffe
   really runs on gloo's worker thread during that backward instead of blocking before it;
 * their flat outputs come from a :class:`~lightning_parallel.parallel.data.host_buffers.HostBufferPool`
   (``FSDPModule.set_custom_all_gather``): the copy-out frees the buffer before the next unit's
-  all-gather asks for one, so one buffer per unit size serves every unit, in both directions.
+  all-gather asks for one, so one buffer per unit size serves every unit, in both directions; on
+  gloo they are filled in place by one broadcast per rank (:class:`PooledAllGather`), without
+  gloo's own gather buffer.
 
 Values are unchanged (the same collectives on the same tensors, in the same order). Measured on
 the GPTs of ``benchmarks/bench_memory.py`` (4 CPU ranks, ZeRO-3): ``docs/memory.md``. CUDA keeps
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -78,7 +81,14 @@ class ReleasingReduceScatter(FsdpReduceScatter):
 
 
 class PooledAllGather(FsdpAllGather):
-    """FSDP2's default all-gather, its flat output taken from a :class:`HostBufferPool`."""
+    """FSDP2's all-gather into a flat output taken from a :class:`HostBufferPool`; on gloo (up to
+    :data:`BROADCAST_RANKS` ranks), one broadcast per rank straight into its chunk of that output.
+
+    Why broadcasts: gloo's all-gather gathers into a flat buffer of its own, allocated for the call,
+    and copies it out into the output: one more unit-sized fresh buffer per unit and direction. A
+    rank's chunk of the output already holds its shard (FSDP2's copy-in puts the input there), so
+    each rank broadcasting its chunk fills every chunk in place with the same bytes. N collectives of
+    1/N of the unit each instead of one: their fixed cost grows with N, hence the bound."""
 
     def __init__(self, pool: HostBufferPool) -> None:
         self.pool = pool
@@ -89,9 +99,35 @@ class PooledAllGather(FsdpAllGather):
     def __call__(
         self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False,
     ) -> dist.Work | None:
+        if _is_gloo(group) and group.size() <= BROADCAST_RANKS:
+            chunks = output_tensor.view(group.size(), -1)
+            work = AllWorks([dist.broadcast(chunks[src], group=group, group_src=src, async_op=True)
+                             for src in range(group.size())])
+            if async_op:
+                return work
+            work.wait()
+            return None
         # torch 2.13 renamed all_gather_into_tensor (deprecated there) to all_gather_single
         all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         return all_gather(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+BROADCAST_RANKS = 16
+"""Largest gloo group whose all-gathers run as one broadcast per rank (measured: 4 ranks)."""
+
+
+class AllWorks(dist.Work):
+    """Several collectives' works as one (what FSDP2 waits on): waits for each in turn."""
+
+    def __init__(self, works: list[dist.Work]) -> None:
+        super().__init__()
+        self.works = works
+
+    def wait(self, timeout: Any = None) -> bool:
+        for work in self.works:
+            work.wait()
+        self.works = []  # their tensors are let go: the pooled buffer is free once FSDP2 copied out
+        return True
 
 
 def _is_gloo(group: dist.ProcessGroup) -> bool:

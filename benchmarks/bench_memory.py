@@ -21,8 +21,10 @@ stages in the first step, so for them the second point includes it) and after th
 * the step time (mean after the first step), and with ``--compare-unpinned`` the same layout run
   again with glibc's dynamic mmap threshold (``parallel/allocator.py`` switched off): peak RSS and the
   step-time ratio, pinned / dynamic; with ``--compare-before`` once more without any of issue 29's
-  measures (dynamic threshold, and pipeline stages' weight gradients through autograd's temporaries
-  instead of ``parallel/pipeline/grad_accumulation.py``): the step-time ratio now / before.
+  measures (dynamic threshold, pipeline stages' weight gradients through autograd's temporaries
+  instead of ``parallel/pipeline/grad_accumulation.py``, FSDP2's host buffers allocated per unit and
+  gloo's own reduce-scatter and all-gather instead of ``parallel/data/fsdp_host.py``'s): the
+  step-time ratio now / before.
 
 Per layout a second line gives the peak RSS growth per rank (the larger of set-up and training)
 in units of the whole model's parameter bytes P, beside the tensor-exact training peak and the ideal
@@ -221,6 +223,12 @@ def _worker(args: argparse.Namespace, layout: str) -> dict[str, Any]:
         import lightning_parallel.parallel.pipeline.runtime as pipeline_runtime
 
         pipeline_runtime.gemm_accumulated_weight_grads = lambda enabled=True: contextlib.nullcontext()  # type: ignore[assignment]
+        # ... and FSDP2's host buffers allocated per unit, through gloo's own reduce-scatter and all-gather
+        import lightning_parallel.parallel.data.fsdp_host as fsdp_host
+        from lightning_parallel.parallel.data.host_buffers import HostBufferPool
+
+        fsdp_host._is_gloo = lambda group: False  # type: ignore[assignment]
+        HostBufferPool.take = lambda self, numel, dtype, device: torch.empty(numel, dtype=dtype, device=device)  # type: ignore[method-assign]
     _reset_peak_rss()
     base_rss, base_file = _status("VmRSS"), _status("RssFile")
     step_times: list[float] = []
@@ -303,7 +311,8 @@ def main() -> None:
                         help="run each layout again with glibc's dynamic mmap threshold (parallel/allocator.py off): RSS and step-time ratios")
     parser.add_argument("--compare-before", action="store_true",
                         help="run each layout again without issue 29's measures (dynamic threshold, autograd's weight-gradient "
-                             "temporaries in pipeline stages): RSS and the step-time ratio now / before")
+                             "temporaries in pipeline stages, FSDP2's per-unit host buffers and gloo's own collectives): RSS and "
+                             "the step-time ratio now / before")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     P = _model_bytes(args)

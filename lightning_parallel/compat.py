@@ -115,10 +115,11 @@ from torch.distributed.pipelining.schedules import _ComputationType as PipelineC
 from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime as PipelineScheduleRuntime
 
 # --- FSDP2 internals ------------------------------------------------------------------------
-# Why: the base classes of a custom all-gather and reduce-scatter (``FSDPModule.set_custom_all_gather``
+# Why: FSDP2's default all-gather and the base of a custom reduce-scatter (``FSDPModule.set_custom_all_gather``
 # / ``set_custom_reduce_scatter``, public methods whose argument types are not exported): on the CPU
 # ours reuse buffers and free them early (parallel/data/fsdp_host.py). Since: 2.9. Public: none yet.
-from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather as FsdpAllGather, ReduceScatter as FsdpReduceScatter
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as FsdpReduceScatter
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather as FsdpDefaultAllGather
 
 # --- nn internals ---------------------------------------------------------------------------
 # Why: one base class for BatchNorm1d/2d/3d (and their lazy forms) to find and replace them for
@@ -417,7 +418,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
     PrivateApi("global_module_hooks", "torch.nn.modules.module:_global_forward_hooks", "2.4", "none"),
     PrivateApi("tensor_has_grad_hooks", "torch._tensor:Tensor.register_post_accumulate_grad_hook", "2.4", "none"),
     PrivateApi("FsdpReduceScatter", "torch.distributed.fsdp._fully_shard._fsdp_api:ReduceScatter", "2.9", "none yet"),
-    PrivateApi("FsdpAllGather", "torch.distributed.fsdp._fully_shard._fsdp_api:AllGather", "2.9", "none yet"),
+    PrivateApi("FsdpDefaultAllGather", "torch.distributed.fsdp._fully_shard._fsdp_collectives:DefaultAllGather", "2.9", "none yet"),
     PrivateApi("storage_use_count", "torch:_C._storage_Use_Count", "2.4", "none"),
     PrivateApi("set_fsdp_unshard_async", "torch.distributed.fsdp:FSDPModule._set_unshard_async_op", "2.6", "none yet (FSDPModule.unshard(async_op=True))"),
     PrivateApi("tree_map", "torch.utils._pytree:tree_map", "2.4", "none yet (optree)"),
@@ -489,7 +490,7 @@ PRIVATE_ATTRIBUTES = frozenset({
 
 __all__ = [
     "PRIVATE_APIS", "PRIVATE_ATTRIBUTES", "TORCH_LOWER_BOUND", "AsyncCollectiveTensor", "BatchNormBase", "DeviceContext", "FakeTensor", "FakeTensorMode",
-    "FsdpAllGather", "FsdpReduceScatter", "GraphPipelineStage", "PipelineAction", "PipelineComputationType", "PipelineScheduleRuntime", "PrivateApi", "StridedShard",
+    "FsdpDefaultAllGather", "FsdpReduceScatter", "GraphPipelineStage", "PipelineAction", "PipelineComputationType", "PipelineScheduleRuntime", "PrivateApi", "StridedShard",
     "TreeSpec", "assert_tensor_metadata_op", "checkpoint_module", "compute_local_shape_and_global_offset", "ddp_ignore", "device_constructors",
     "flash_attention_ops", "flatten_mesh", "foreach_norm", "functional_collectives", "global_module_hooks", "litdata_env_class",
     "litdata_wrapped_datasets", "local_tensor", "modify_graph_op_device", "module_has_hooks", "multihead_attention_init", "op_arguments",

@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-from lightning_parallel.compat import FsdpAllGather, FsdpReduceScatter, set_fsdp_unshard_async
+from lightning_parallel.compat import FsdpDefaultAllGather, FsdpReduceScatter, set_fsdp_unshard_async
 from lightning_parallel.parallel.data.host_buffers import HostBufferPool
 
 
@@ -80,7 +80,7 @@ class ReleasingReduceScatter(FsdpReduceScatter):
         return work
 
 
-class PooledAllGather(FsdpAllGather):
+class PooledAllGather(FsdpDefaultAllGather):
     """FSDP2's all-gather into a flat output taken from a :class:`HostBufferPool`; on gloo (up to
     :data:`BROADCAST_RANKS` ranks), one broadcast per rank straight into its chunk of that output.
 
@@ -94,7 +94,9 @@ class PooledAllGather(FsdpAllGather):
         self.pool = pool
 
     def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return self.pool.take(math.prod(int(s) for s in size), dtype, device).view(*size)
+        numel = math.prod(int(s) for s in size)
+        fresh = super().allocate  # FSDP2's own allocation, where a pooled buffer is not free
+        return self.pool.take(numel, dtype, device, lambda: fresh((numel,), dtype=dtype, device=device)).view(*size)
 
     def __call__(
         self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False,
@@ -107,9 +109,7 @@ class PooledAllGather(FsdpAllGather):
                 return work
             work.wait()
             return None
-        # torch 2.13 renamed all_gather_into_tensor (deprecated there) to all_gather_single
-        all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        return all_gather(output_tensor, input_tensor, group=group, async_op=async_op)
+        return super().__call__(output_tensor, input_tensor, group, async_op)
 
 
 BROADCAST_RANKS = 16
@@ -131,9 +131,9 @@ class AllWorks(dist.Work):
 
 
 def _is_gloo(group: dist.ProcessGroup) -> bool:
-    """Whether ``group`` runs CPU collectives on gloo ("gloo", or "cpu:gloo,cuda:nccl")."""
-    backend = str(dist.get_backend(group))
-    return backend == "gloo" or "cpu:gloo" in backend
+    """Whether ``group`` runs CPU collectives on gloo. Read from the backend config ("cpu:gloo",
+    "cpu:gloo,cuda:nccl"): ``get_backend`` answers "undefined" for groups split from the world."""
+    return "cpu:gloo" in str(dist.get_backend_config(group))
 
 
 def release_host_buffers(modules: Iterable[FSDPModule], device: torch.device) -> HostBufferPool | None:

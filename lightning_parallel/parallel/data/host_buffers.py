@@ -26,6 +26,8 @@ is reached (the reduce-scatter input is freed instead, ``fsdp_host.py``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from lightning_parallel.compat import storage_use_count
@@ -41,15 +43,17 @@ class HostBufferPool:
         self.fresh = 0  # buffers allocated (kept or not)
         self.reused = 0  # requests served by a kept buffer
 
-    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device,
+             allocate: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
         """A flat buffer of ``numel`` elements, uninitialised: a kept one that nothing else holds,
-        else a fresh one (kept while fewer than ``per_key`` of this size are)."""
+        else a fresh one from ``allocate`` (default ``torch.empty``), kept while fewer than
+        ``per_key`` of this size are."""
         held = self._buffers.setdefault((numel, dtype, torch.device(device)), [])
         for buffer in held:
             if storage_use_count(buffer) <= self._idle_count[id(buffer)]:
                 self.reused += 1
                 return buffer.view(numel)  # a tensor of its own: while it lives, the storage counts it
-        buffer = torch.empty(numel, dtype=dtype, device=device)
+        buffer = (allocate() if allocate is not None else torch.empty(numel, dtype=dtype, device=device)).view(numel)
         self.fresh += 1
         if len(held) < self.per_key:
             held.append(buffer)

@@ -204,6 +204,28 @@ class SavedActivations:
         self._hooks.__exit__(*exc)
 
 
+def switch_off_issue_29(unpinned: bool, before: bool) -> None:
+    """In a benchmark rank, before the strategy exists: ``unpinned`` leaves glibc's dynamic mmap
+    threshold as it is (``parallel/allocator.py`` off); ``before`` also takes away issue 29's other
+    measures: pipeline stages' weight gradients through autograd's temporaries instead of
+    ``parallel/pipeline/grad_accumulation.py``, and FSDP2's host buffers allocated per unit through
+    gloo's own reduce-scatter and all-gather instead of ``parallel/data/fsdp_host.py``'s."""
+    if unpinned or before:
+        import lightning_parallel.parallel.allocator as allocator
+
+        allocator.pin_host_allocator = lambda *a, **k: False  # type: ignore[assignment]
+    if before:
+        import contextlib
+
+        import lightning_parallel.parallel.data.fsdp_host as fsdp_host
+        import lightning_parallel.parallel.pipeline.runtime as pipeline_runtime
+        from lightning_parallel.parallel.data.host_buffers import HostBufferPool
+
+        pipeline_runtime.gemm_accumulated_weight_grads = lambda enabled=True: contextlib.nullcontext()  # type: ignore[assignment]
+        fsdp_host._is_gloo = lambda group: False  # type: ignore[assignment]
+        HostBufferPool.take = lambda self, numel, dtype, device, allocate=None: torch.empty(numel, dtype=dtype, device=device)  # type: ignore[method-assign]
+
+
 def _worker(args: argparse.Namespace, layout: str) -> dict[str, Any]:
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader, DistributedSampler
@@ -213,22 +235,7 @@ def _worker(args: argparse.Namespace, layout: str) -> dict[str, Any]:
     from lightning_parallel.testing.parity import _make_strategy, token_data
 
     torch.set_num_threads(1)
-    if args.unpinned:  # glibc's dynamic mmap threshold left as it is (the comparison run)
-        import lightning_parallel.parallel.allocator as allocator
-
-        allocator.pin_host_allocator = lambda *a, **k: False  # type: ignore[assignment]
-    if args.before:  # ... and autograd's weight-gradient temporaries in pipeline stages
-        import contextlib
-
-        import lightning_parallel.parallel.pipeline.runtime as pipeline_runtime
-
-        pipeline_runtime.gemm_accumulated_weight_grads = lambda enabled=True: contextlib.nullcontext()  # type: ignore[assignment]
-        # ... and FSDP2's host buffers allocated per unit, through gloo's own reduce-scatter and all-gather
-        import lightning_parallel.parallel.data.fsdp_host as fsdp_host
-        from lightning_parallel.parallel.data.host_buffers import HostBufferPool
-
-        fsdp_host._is_gloo = lambda group: False  # type: ignore[assignment]
-        HostBufferPool.take = lambda self, numel, dtype, device: torch.empty(numel, dtype=dtype, device=device)  # type: ignore[method-assign]
+    switch_off_issue_29(unpinned=args.unpinned, before=args.before)
     _reset_peak_rss()
     base_rss, base_file = _status("VmRSS"), _status("RssFile")
     step_times: list[float] = []

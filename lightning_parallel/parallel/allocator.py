@@ -16,9 +16,15 @@ Setting either threshold with ``mallopt`` turns the dynamic adjustment off (glib
 behaviour; the same as ``MALLOC_MMAP_THRESHOLD_`` in the environment, which users do not set).
 :func:`pin_host_allocator` pins both at 128 KiB, glibc's own starting value, in the calling process,
 unless the user set either variable (their choice wins). Cost: a large buffer is a fresh ``mmap``
-whose pages fault in on first touch, instead of recycled heap memory; the benchmark prints the
-step-time ratio with and without (within noise on the CPU, where the step's compute dominates).
-Where the C library is not glibc (macOS, musl) nothing is done.
+whose pages fault in on first touch, instead of recycled heap memory. The buffers the strategy
+allocates every unit are therefore not allocated again: FSDP2's all-gather outputs come from a pool
+(``parallel/data/host_buffers.py``) and gloo's internal copies are avoided
+(``parallel/data/fsdp_host.py``), pipeline stages add each microbatch's weight gradient into
+``.grad`` in its GEMM (``parallel/pipeline/grad_accumulation.py``). What is left is autograd's own
+temporaries (activations, gradients); ``benchmarks/bench_memory.py`` prints the step-time ratio
+against the code before any of this (``--compare-before``) and against the same code with the
+dynamic threshold (``--compare-unpinned``). Where the C library is not glibc (macOS, musl) nothing
+is done.
 
 **Device (CUDA caching allocator).** ``expandable_segments:True`` lets the caching allocator grow
 one mapped segment instead of keeping many fixed-size blocks, which cuts the fragmentation that

@@ -30,7 +30,8 @@ So, for modules whose FSDP2 compute device is the CPU (:func:`release_host_buffe
   gloo they are filled in place by one broadcast per rank (:class:`PooledAllGather`), without
   gloo's own gather buffer.
 
-Values are unchanged (the same collectives on the same tensors, in the same order). Measured on
+Values are unchanged: the same reductions of the same tensors in the same order, and on gloo the
+collectives that give bitwise gloo's own results (``tests/test_fsdp_host_buffers.py``). Measured on
 the GPTs of ``benchmarks/bench_memory.py`` (4 CPU ranks, ZeRO-3): ``docs/memory.md``. CUDA keeps
 FSDP2's defaults: there the buffers buy the overlap, and the caching allocator recycles them.
 """
@@ -123,7 +124,7 @@ class AllWorks(dist.Work):
         super().__init__()
         self.works = works
 
-    def wait(self, timeout: Any = None) -> bool:
+    def wait(self, timeout: Any = None) -> bool:  # each work is bounded by its group's own timeout
         for work in self.works:
             work.wait()
         self.works = []  # their tensors are let go: the pooled buffer is free once FSDP2 copied out

@@ -25,16 +25,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from bench_memory import switch_off_issue_29
+from bench_memory import _status, switch_off_issue_29
 
 from lightning_parallel.launcher import run_distributed
-
-
-def _status(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    return 0
 
 
 def _worker(args: argparse.Namespace, layout: str, variant: str) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
 Not a timed test. ``benchmarks/bench_memory.py`` measures memory with a tensor tracker that runs
 Python on every op, which distorts step times; this one runs ``trainer.fit`` alone. Per layout, the
-final code and the code before issue 29's measures (``--before``: glibc's dynamic mmap threshold,
+final code and the code before issue 29's measures (``--before``: glibc's dynamic mmap threshold, torch's huge pages off,
 autograd's weight-gradient temporaries in pipeline stages, FSDP2's per-unit host buffers through
 gloo's own collectives; or ``--unpinned``: the final code with the dynamic threshold only) run in
 turn, ``--repeat`` times, each in a fresh group of 4 spawned ranks: the meta-built 32 x 512 GPT of
@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from bench_memory import _status, switch_off_issue_29
+from bench_memory import _status, ranks_environment, switch_off_issue_29
 
 from lightning_parallel.launcher import run_distributed
 
@@ -87,8 +87,9 @@ def main() -> None:
         for layout in args.layouts.split(","):
             steps = {}
             for variant in ("now", other):
-                results = run_distributed(_worker, args.ranks, args, layout, variant, init_backend=None, timeout=1500,
-                                          fresh_process=True)
+                with ranks_environment(before=variant == "before"):
+                    results = run_distributed(_worker, args.ranks, args, layout, variant, init_backend=None, timeout=1500,
+                                              fresh_process=True)
                 steps[variant] = max(r["step"] for r in results)
                 print(f"{layout:14} {variant:9} step {steps[variant]:.2f} s  fresh pages {max(r['faults'] for r in results) * 4096 / 2**20:6.0f}"
                       f" MiB/step  peak RSS {max(r['rss'] for r in results) / P:.3f} P  loss {results[0]['loss']:.4f}", flush=True)

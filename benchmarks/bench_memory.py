@@ -21,7 +21,7 @@ stages in the first step, so for them the second point includes it) and after th
 * the step time (mean after the first step), and with ``--compare-unpinned`` the same layout run
   again with glibc's dynamic mmap threshold (``parallel/allocator.py`` switched off): peak RSS and the
   step-time ratio, pinned / dynamic; with ``--compare-before`` once more without any of issue 29's
-  measures (dynamic threshold, pipeline stages' weight gradients through autograd's temporaries
+  measures (dynamic threshold, torch's huge pages off, pipeline stages' weight gradients through autograd's temporaries
   instead of ``parallel/pipeline/grad_accumulation.py``, FSDP2's host buffers allocated per unit and
   gloo's own reduce-scatter and all-gather instead of ``parallel/data/fsdp_host.py``'s): the
   step-time ratio now / before.
@@ -48,14 +48,16 @@ on 2 shared cores; the README's table is this script's output. ``--layers 4 --wi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import time
 import weakref
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
+from lightning_parallel.parallel.allocator import HUGE_PAGES_VARIABLE
 from lightning_parallel.testing import run_distributed
 
 HYBRID = "lightning_parallel:HybridParallelStrategy"
@@ -215,8 +217,6 @@ def switch_off_issue_29(unpinned: bool, before: bool) -> None:
 
         allocator.pin_host_allocator = lambda *a, **k: False  # type: ignore[assignment]
     if before:
-        import contextlib
-
         import lightning_parallel.parallel.data.fsdp_host as fsdp_host
         import lightning_parallel.parallel.pipeline.runtime as pipeline_runtime
         from lightning_parallel.parallel.data.host_buffers import HostBufferPool
@@ -224,6 +224,24 @@ def switch_off_issue_29(unpinned: bool, before: bool) -> None:
         pipeline_runtime.gemm_accumulated_weight_grads = lambda enabled=True: contextlib.nullcontext()  # type: ignore[assignment]
         fsdp_host._is_gloo = lambda group: False  # type: ignore[assignment]
         HostBufferPool.take = lambda self, numel, dtype, device, allocate=None: torch.empty(numel, dtype=dtype, device=device)  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def ranks_environment(before: bool) -> Iterator[None]:
+    """Around the spawn of a group of ranks: the ``before`` ranks start with torch's huge-page advice
+    off (``THP_MEM_ALLOC_ENABLE=0``, which ``import lightning_parallel`` leaves as the user's choice,
+    ``parallel/allocator.py``). torch reads it once, at a process's first CPU allocation, so it
+    cannot be switched off inside the rank as :func:`switch_off_issue_29` switches off the rest."""
+    saved = os.environ.get(HUGE_PAGES_VARIABLE)
+    if before:
+        os.environ[HUGE_PAGES_VARIABLE] = "0"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(HUGE_PAGES_VARIABLE, None)
+        else:
+            os.environ[HUGE_PAGES_VARIABLE] = saved
 
 
 def _worker(args: argparse.Namespace, layout: str) -> dict[str, Any]:
@@ -359,7 +377,8 @@ def main() -> None:
             line += f"; glibc's dynamic threshold: {rss_other / P:.2f} P, step {step_other:.2f} s (pinned / dynamic step time {step / step_other:.2f})"
         if args.compare_before:
             args.unpinned = args.before = True
-            other = run_distributed(_worker, args.ranks, args, layout, init_backend=None, timeout=3000)
+            with ranks_environment(before=True):
+                other = run_distributed(_worker, args.ranks, args, layout, init_backend=None, timeout=3000)
             rss_other = max(max(r["points"]["setup"]["rss"], r["points"]["train"]["rss"]) for r in other)
             step_other = max(r["step_s"] for r in other)
             line += f"; before issue 29's measures: {rss_other / P:.2f} P, step {step_other:.2f} s (now / before step time {step / step_other:.2f})"

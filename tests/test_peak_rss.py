@@ -108,6 +108,8 @@ def test_peak_rss_growth_per_rank_within_the_ideal() -> None:
         for r in results:
             assert r[layout]["reset_slack"] < 2**20, "writing 5 to /proc/self/clear_refs did not reset VmHWM"
             assert r[layout]["pinned"]["host_thresholds_pinned"] in (True, False)
+            if os.environ.get("THP_MEM_ALLOC_ENABLE") == "1":  # set by import lightning_parallel where the kernel has THP
+                assert r[layout]["pinned"]["host_huge_pages"], "the ranks did not get torch's huge-page advice"
             assert r[layout]["loss"] == r[layout]["loss"]  # finite, trained
         worst = max(ratios[layout])
         assert worst <= BOUND[layout], f"{layout}: peak RSS growth per rank {worst:.2f} P > {BOUND[layout]} P"

@@ -47,7 +47,7 @@ from lightning_parallel.compat_lightning import (
     optimizers_to_device as _optimizers_to_device,
     set_device_mesh,
 )
-from lightning_parallel.parallel.allocator import configure_allocators
+from lightning_parallel.parallel.allocator import configure_allocators, huge_pages_missed
 from lightning_parallel.parallel.compile import check_compile_layout, compile_kwargs
 from lightning_parallel.planner.auto_degrees import DegreeChoice
 from lightning_parallel.parallel.dims import Degree, ParallelDims
@@ -357,6 +357,8 @@ class HybridParallelStrategy(LayoutMixin, StepHooksMixin, CollectivesMixin, Chec
         mesh = self._dims.build_mesh(self.root_device.type)
         self._axis_groups = {name: dist.get_process_group_ranks(mesh.get_group(name)) for name in mesh.mesh_dim_names}
         rank_zero_info(f"{type(self).__name__}: {self._dims.describe()}, zero_stage={self.zero_stage}")
+        if self.root_device.type == "cpu" and (missed := huge_pages_missed()) is not None:
+            rank_zero_info(f"{type(self).__name__}: {missed}")
 
 
     # ------------------------------------------------------------------ model set-up

@@ -30,9 +30,9 @@ is done.
 (2.5 GB/s, one process, 12 MiB buffers). torch's CPU allocator can ask for transparent huge pages
 instead: with ``THP_MEM_ALLOC_ENABLE=1`` in the environment, a tensor of 2 MiB or more is page-aligned
 and ``madvise(MADV_HUGEPAGE)``'d, so one fault maps each whole 2 MiB-aligned range inside it (7.5
-GB/s, same buffers). That is
-the unsharded parameters, gradients and reduce-scatter inputs of every FSDP2 unit, the buffers left
-after the pool. torch reads the variable once, at its first CPU allocation, so
+GB/s, same buffers). Those are the unsharded parameters, gradients and reduce-scatter inputs of
+every FSDP2 unit, the buffers left after the pool (``zero3``'s step 1.13x -> 1.01-1.07x that before
+issue 29's measures, ``docs/memory.md``). torch reads the variable once, at its first CPU allocation, so
 :func:`advise_host_huge_pages` runs when ``lightning_parallel`` is imported, before it imports
 Lightning (whose import allocates): it covers the importing process if nothing allocated before,
 and always the ranks Lightning's launcher starts, which inherit the environment.

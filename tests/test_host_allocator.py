@@ -16,14 +16,8 @@ import pytest
 from lightning_parallel.parallel import allocator
 
 PROBE = ("import json; from lightning_parallel.parallel.allocator import host_huge_pages_active, huge_pages_missed; "
-         "import os; print(json.dumps([os.environ.get('THP_MEM_ALLOC_ENABLE'), host_huge_pages_active(), huge_pages_missed()]))")
-
-
-def _kernel_offers_huge_pages() -> bool:
-    try:
-        return "[never]" not in allocator.KERNEL_HUGE_PAGES.read_text()
-    except OSError:
-        return False
+         "import os; active = host_huge_pages_active(); "
+         "print(json.dumps([os.environ.get('THP_MEM_ALLOC_ENABLE'), active, huge_pages_missed(active)]))")
 
 
 def test_advice_is_set_once_and_leaves_the_users_choice_and_the_kernels(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -32,15 +26,17 @@ def test_advice_is_set_once_and_leaves_the_users_choice_and_the_kernels(monkeypa
     monkeypatch.delenv(allocator.HUGE_PAGES_VARIABLE, raising=False)
     assert not allocator.advise_host_huge_pages()  # no such file: not Linux, or no THP in the kernel
     modes.write_text("always madvise [never]\n")
+    assert not allocator.kernel_offers_huge_pages()
     assert not allocator.advise_host_huge_pages() and allocator.HUGE_PAGES_VARIABLE not in os.environ
     modes.write_text("always [madvise] never\n")
+    assert allocator.kernel_offers_huge_pages()
     assert allocator.advise_host_huge_pages() and os.environ[allocator.HUGE_PAGES_VARIABLE] == "1"
     monkeypatch.setenv(allocator.HUGE_PAGES_VARIABLE, "0")
     assert not allocator.advise_host_huge_pages() and os.environ[allocator.HUGE_PAGES_VARIABLE] == "0"
-    assert allocator.huge_pages_missed() is None  # the user turned them off: nothing to tell
+    assert allocator.huge_pages_missed(active=False) is None  # the user turned them off: nothing to tell
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux") or not _kernel_offers_huge_pages(), reason="needs Linux with transparent huge pages")
+@pytest.mark.skipif(not allocator.kernel_offers_huge_pages(), reason="needs Linux with transparent huge pages")
 def test_import_order_decides_and_a_late_import_is_told() -> None:
     env = {k: v for k, v in os.environ.items() if k != allocator.HUGE_PAGES_VARIABLE}
     runs = {name: subprocess.Popen([sys.executable, "-c", first + PROBE], env=env | extra, stdout=subprocess.PIPE, text=True)

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 
+from lightning_parallel.parallel.allocator import HUGE_PAGES_VARIABLE
 from lightning_parallel.testing import run_distributed
 
 SHAPE = {"vocab_size": 256, "block_size": 32, "n_layer": 24, "n_head": 8, "n_embd": 512}
@@ -108,7 +109,7 @@ def test_peak_rss_growth_per_rank_within_the_ideal() -> None:
         for r in results:
             assert r[layout]["reset_slack"] < 2**20, "writing 5 to /proc/self/clear_refs did not reset VmHWM"
             assert r[layout]["pinned"]["host_thresholds_pinned"] in (True, False)
-            if os.environ.get("THP_MEM_ALLOC_ENABLE") == "1":  # set by import lightning_parallel where the kernel has THP
+            if os.environ.get(HUGE_PAGES_VARIABLE) == "1":  # set by import lightning_parallel where the kernel has THP
                 assert r[layout]["pinned"]["host_huge_pages"], "the ranks did not get torch's huge-page advice"
             assert r[layout]["loss"] == r[layout]["loss"]  # finite, trained
         worst = max(ratios[layout])

@@ -39,7 +39,8 @@ and always the ranks Lightning's launcher starts, which inherit the environment.
 :func:`host_huge_pages_active` says whether this process got them (a 2 MiB tensor is page-aligned
 only then). Not set where the kernel has no transparent huge pages or has them ``never``, nor when
 the user set the variable (``THP_MEM_ALLOC_ENABLE=0`` turns it off). Huge pages map only whole
-2 MiB-aligned ranges inside a tensor, so the resident set grows by nothing the tensor does not use.
+2 MiB-aligned ranges inside a tensor, so a tensor written whole is resident as before (one touched
+here and there becomes resident 2 MiB at a time).
 
 **Device (CUDA caching allocator).** ``expandable_segments:True`` lets the caching allocator grow
 one mapped segment instead of keeping many fixed-size blocks, which cuts the fragmentation that
@@ -106,16 +107,19 @@ def advise_host_huge_pages() -> bool:
 
     Called at ``import lightning_parallel``, before anything of ours allocates: torch reads the
     variable at its first CPU allocation, and child processes inherit it."""
-    if HUGE_PAGES_VARIABLE in os.environ:
-        return False
-    try:
-        modes = KERNEL_HUGE_PAGES.read_text()
-    except OSError:  # not Linux, or a kernel without transparent huge pages
-        return False
-    if "[never]" in modes:
+    if HUGE_PAGES_VARIABLE in os.environ or not kernel_offers_huge_pages():
         return False
     os.environ[HUGE_PAGES_VARIABLE] = "1"
     return True
+
+
+def kernel_offers_huge_pages() -> bool:
+    """Whether ``madvise(MADV_HUGEPAGE)`` can give huge pages here: Linux with transparent huge
+    pages in the kernel, not set to ``never``."""
+    try:
+        return "[never]" not in KERNEL_HUGE_PAGES.read_text()
+    except OSError:  # not Linux, or a kernel without transparent huge pages
+        return False
 
 
 def host_huge_pages_active() -> bool:
@@ -126,12 +130,13 @@ def host_huge_pages_active() -> bool:
     return all(probe.data_ptr() % PAGE_BYTES == 0 for probe in probes)
 
 
-def huge_pages_missed() -> str | None:
-    """What to tell the user when this process asked for huge pages too late, else None.
+def huge_pages_missed(active: bool) -> str | None:
+    """What to tell the user when this process asked for huge pages too late, else None; ``active``
+    is :func:`host_huge_pages_active` (``configure_allocators`` has probed it already).
 
     The usual case: a script that imports Lightning before ``lightning_parallel`` (isort's order)
     runs rank 0 without them, while the ranks Lightning starts have them from the environment."""
-    if os.environ.get(HUGE_PAGES_VARIABLE) != "1" or host_huge_pages_active():
+    if os.environ.get(HUGE_PAGES_VARIABLE) != "1" or active:
         return None
     return (f"this process has no transparent huge pages for large CPU tensors: torch allocated before "
             f"`import lightning_parallel` set {HUGE_PAGES_VARIABLE}=1, and reads it only then. Import "

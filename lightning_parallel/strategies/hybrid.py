@@ -357,7 +357,7 @@ class HybridParallelStrategy(LayoutMixin, StepHooksMixin, CollectivesMixin, Chec
         mesh = self._dims.build_mesh(self.root_device.type)
         self._axis_groups = {name: dist.get_process_group_ranks(mesh.get_group(name)) for name in mesh.mesh_dim_names}
         rank_zero_info(f"{type(self).__name__}: {self._dims.describe()}, zero_stage={self.zero_stage}")
-        if self.root_device.type == "cpu" and (missed := huge_pages_missed()) is not None:
+        if self.root_device.type == "cpu" and (missed := huge_pages_missed(self._allocators["host_huge_pages"])) is not None:
             rank_zero_info(f"{type(self).__name__}: {missed}")
 
 
